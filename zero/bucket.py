@@ -1,0 +1,123 @@
+"""``Bucket``: one layout bound to its parameters, flat buffers and local optimizer pieces.
+
+A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shards``):
+
+* ``params``      the model parameters packed in it; their ``.data`` are views of ``param_buffer``
+* ``param_buffer`` FlatBuffer(P): the full parameters (stages 0-2 keep them whole)
+* ``grad_buffer`` FlatBuffer(P): full-size gradients; persistent or transient, as the stage decides
+* ``grad_shard``  (C,) this rank's reduced, averaged gradient chunk
+* ``shard``       (C,) this rank's chunk of the parameters, which the inner optimizer updates
+* ``pieces``      1D views of ``shard``, one per parameter overlapping the chunk; these are
+                   the tensors the wrapped ``torch.optim`` optimizer sees
+
+Per backward pass it also tracks which parameters have handed in their gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zero.flat_buffer import FlatBuffer
+from zero.layout import BucketLayout, ParamSpan, Piece
+
+
+@dataclass
+class ParamSlot:
+    """One parameter and where it lives, with its gradient bookkeeping."""
+
+    param: torch.nn.Parameter
+    name: str
+    group_index: int  # index of its param group in the wrapped optimizer
+    bucket: "Bucket"
+    span: ParamSpan
+    used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
+    used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
+    ready: bool = False  # handed in its gradient in the current backward pass
+
+
+@dataclass
+class LocalPiece:
+    """A piece of a parameter in this rank's chunk, as the inner optimizer sees it."""
+
+    slot: ParamSlot
+    piece: Piece
+    tensor: torch.Tensor  # 1D view of the bucket's ``shard``
+
+
+class Bucket:
+    """Runtime state of one :class:`~zero.layout.BucketLayout` on one rank."""
+
+    def __init__(self, layout: BucketLayout, shard_index: int, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.index = layout.index
+        self.shard_index = shard_index
+        self.slots: list[ParamSlot] = []
+        self.param_buffer = FlatBuffer(layout.padded_numel, dtype, device)
+        self.grad_buffer: FlatBuffer | None = None  # set by the stage
+        self.grad_shard: torch.Tensor | None = None  # set by the stage
+        self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
+        self.pieces: list[LocalPiece] = []
+        self.num_ready = 0
+        self.launched = False
+
+    def __repr__(self) -> str:
+        names = [s.name for s in self.slots]
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
+        return f"bucket {self.index} [{shown}]"
+
+    # ----- construction ---------------------------------------------------------------------------
+
+    def adopt(self, slot: ParamSlot) -> None:
+        """Copy the parameter into the flat buffer and make its ``.data`` a view of it."""
+        param, span = slot.param, slot.span
+        view = self.param_buffer.view(span.offset, span.numel, param.shape)
+        with torch.no_grad():
+            view.copy_(param.data)
+        param.data = view
+        self.slots.append(slot)
+
+    def build_pieces(self) -> None:
+        """Create the inner optimizer's tensors: views of this rank's chunk."""
+        slot_of = {slot.span.param_index: slot for slot in self.slots}
+        shard = self.shard
+        self.pieces = [
+            LocalPiece(slot_of[p.param_index], p, shard.narrow(0, p.chunk_start, p.numel))
+            for p in self.layout.pieces(self.shard_index)
+        ]
+
+    # ----- views ----------------------------------------------------------------------------------
+
+    def chunk_of(self, buffer: FlatBuffer) -> torch.Tensor:
+        """This rank's chunk of a full-size buffer (1D view)."""
+        start, end = self.layout.chunk_range(self.shard_index)
+        return buffer.view(start, end - start)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's chunk of the parameters (1D). With fp32 parameters on the optimizer's device
+        it is a view of ``param_buffer``, so the optimizer step writes the parameters directly."""
+        return self.chunk_of(self.param_buffer)
+
+    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        """The slot's gradient inside ``grad_buffer``, shaped like the parameter."""
+        assert self.grad_buffer is not None
+        return self.grad_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
+
+    def grad_piece(self, piece: LocalPiece) -> torch.Tensor:
+        """The reduced gradient for one local piece (1D view of ``grad_shard``)."""
+        assert self.grad_shard is not None
+        return self.grad_shard.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+
+    # ----- per-backward bookkeeping -----------------------------------------------------------------
+
+    def start_round(self) -> None:
+        self.num_ready = 0
+        self.launched = False
+        for slot in self.slots:
+            slot.ready = False
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_ready == len(self.slots)

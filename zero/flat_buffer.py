@@ -1,0 +1,48 @@
+"""One contiguous 1D buffer that hands out views; the only place storage is freed.
+
+Note: freeing uses ``untyped_storage().resize_(0)`` rather than dropping the tensor.
+Views handed out earlier (parameter ``.data``, gradient views, optimizer pieces)
+keep pointing at the same storage object, so they become valid again, without
+being re-created, as soon as ``allocate()`` resizes the storage back. Autograd's
+saved references to such views stay valid for the same reason (FSDP2 relies on it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlatBuffer:
+    """A 1D tensor of ``numel`` elements whose storage can be released and restored."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, allocate: bool = True):
+        self.numel = numel
+        self.dtype = dtype
+        self.data = torch.zeros(numel, dtype=dtype, device=device)  # 1D
+        if not allocate:
+            self.free()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.data.element_size()
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.data.untyped_storage().size() > 0
+
+    def allocate(self, zero: bool = True) -> None:
+        """Give the storage back its bytes (a no-op when already allocated)."""
+        if not self.is_allocated:
+            self.data.untyped_storage().resize_(self.nbytes)
+            if zero:
+                self.data.zero_()
+
+    def free(self) -> None:
+        """Release the storage's bytes; views stay attached to the (empty) storage."""
+        self.data.untyped_storage().resize_(0)
+
+    def view(self, start: int, numel: int, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:
+        """A view of ``numel`` elements from ``start``, optionally reshaped."""
+        assert 0 <= start and start + numel <= self.numel, (start, numel, self.numel)
+        flat = self.data.narrow(0, start, numel)
+        return flat if shape is None else flat.view(shape)

@@ -1,0 +1,70 @@
+"""Stage 0: plain data parallelism, the reference point.
+
+Every rank holds whole parameters, whole gradients and whole optimizer state, as
+``DistributedDataParallel`` does: gradients live in persistent flat buckets (each
+``p.grad`` is a view into one), each bucket is all-reduced in place as soon as its
+gradients are ready, then averaged. There is one shard per bucket: the whole of it.
+"""
+
+from __future__ import annotations
+
+from zero.bucket import Bucket, ParamSlot
+from zero.comm import Communicator, Handle
+from zero.flat_buffer import FlatBuffer
+
+
+class Stage0:
+    number = 0
+
+    def num_shards(self, world_size: int) -> int:
+        """How many ways each bucket is split (1: every rank owns all of it)."""
+        return 1
+
+    # ----- gradient storage -------------------------------------------------------------------------
+
+    def init_grads(self, bucket: Bucket) -> None:
+        """Allocate the bucket's gradient storage and point each ``p.grad`` into it."""
+        layout = bucket.param_buffer
+        bucket.grad_buffer = FlatBuffer(layout.numel, layout.dtype, layout.data.device)
+        bucket.grad_shard = bucket.chunk_of(bucket.grad_buffer)
+        for slot in bucket.slots:
+            slot.param.grad = bucket.grad_view(slot)
+
+    def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Make sure the slot's current gradient sits in ``grad_buffer`` (no-op in steady state).
+
+        Autograd accumulates in place into the ``p.grad`` views, so the data is usually there
+        already; a ``p.grad`` replaced or cleared by user code is copied in (or zeroed).
+        """
+        view = bucket.grad_view(slot)
+        grad = slot.param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        slot.param.grad = view
+
+    # ----- reduction ----------------------------------------------------------------------------------
+
+    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+        assert bucket.grad_buffer is not None
+        return comm.all_reduce(bucket.grad_buffer.data, what=f"all-reduce of {bucket}")
+
+    def finish_reduce(self, bucket: Bucket, world_size: int) -> None:
+        """Turn the summed gradient chunk into the average over ranks."""
+        assert bucket.grad_shard is not None
+        if world_size > 1:
+            bucket.grad_shard.div_(world_size)
+
+    def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
+        """Zero the persistent gradient buckets in place (the ``p.grad`` views stay valid)."""
+        assert bucket.grad_buffer is not None
+        bucket.grad_buffer.data.zero_()
+        for slot in bucket.slots:
+            slot.param.grad = bucket.grad_view(slot)
+
+    # ----- after the optimizer step -----------------------------------------------------------------
+
+    def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
+        """Bring every rank's updated chunk to every rank (nothing to do: all ranks stepped all of it)."""
+        return None

@@ -1,0 +1,69 @@
+"""Stage 2: also shard the gradients.
+
+A bucket's full-size ``grad_buffer`` exists only while that bucket is being reduced:
+the gradient hook copies each finished ``p.grad`` into it and drops ``p.grad``; once
+all of the bucket's gradients are in, it is reduce-scattered in place, this rank's
+chunk is averaged and added into the persistent ``grad_shard`` (``1/N`` of the
+bucket), and the full buffer's storage is released. At most
+``ZeroConfig.max_in_flight_buckets`` buffers are alive at once during backward.
+
+Inside ``no_sync()`` the hooks do nothing, so gradients accumulate whole in ``p.grad``
+(as with DDP and FSDP) until the next synchronized backward reduces them.
+"""
+
+from __future__ import annotations
+
+from zero.bucket import Bucket, ParamSlot
+from zero.flat_buffer import FlatBuffer
+from zero.stages.stage1 import Stage1
+
+
+class Stage2(Stage1):
+    number = 2
+
+    def init_grads(self, bucket: Bucket) -> None:
+        params = bucket.param_buffer
+        bucket.grad_buffer = FlatBuffer(params.numel, params.dtype, params.data.device, allocate=False)
+        chunk = bucket.layout.chunk_numel
+        bucket.grad_shard_buffer = FlatBuffer(chunk, params.dtype, params.data.device, allocate=False)
+        bucket.grad_shard = bucket.grad_shard_buffer.data
+
+    def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Move the slot's gradient into the (transient) bucket buffer and release ``p.grad``."""
+        assert bucket.grad_buffer is not None
+        if not bucket.grad_buffer.is_allocated:
+            self._allocate_staging(bucket)
+        view = bucket.grad_view(slot)
+        grad = slot.param.grad
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        slot.param.grad = None
+
+    @staticmethod
+    def _allocate_staging(bucket: Bucket) -> None:
+        """Allocate the staging buffer uninitialized (every span gets written) but zero its padding."""
+        assert bucket.grad_buffer is not None
+        bucket.grad_buffer.allocate(zero=False)
+        layout = bucket.layout
+        if layout.padding:
+            bucket.grad_buffer.view(layout.numel, layout.padding).zero_()
+
+    def finish_reduce(self, bucket: Bucket, world_size: int) -> None:
+        assert bucket.grad_buffer is not None
+        reduced = bucket.chunk_of(bucket.grad_buffer)
+        if world_size > 1:
+            reduced.div_(world_size)
+        bucket.grad_shard_buffer.allocate(zero=True)
+        bucket.grad_shard.add_(reduced)
+        bucket.grad_buffer.free()
+
+    def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
+        """Drop (or zero) the gradient shard; ``p.grad`` is already ``None`` at stage 2."""
+        if set_to_none:
+            bucket.grad_shard_buffer.free()
+        elif bucket.grad_shard_buffer.is_allocated:
+            bucket.grad_shard.zero_()
+        for slot in bucket.slots:
+            slot.param.grad = None
