@@ -53,7 +53,6 @@ TOLERANCE = 1.05  # allowed step-time ratio to DDP for stages 1 and 2
 class Contender:
     name: str
     module: torch.nn.Module  # what forward runs through (DDP wrapper or the bare model)
-    model: GPT  # the underlying model, for .loss
     optimizer: torch.optim.Optimizer
     times_ms: list[float] = field(default_factory=list)
 
@@ -101,17 +100,17 @@ def adamw(params) -> torch.optim.AdamW:
 def build_contenders(base: GPT, bucket_mb: float) -> list[Contender]:
     contenders = []
     model = copy.deepcopy(base)
-    contenders.append(Contender("ddp", DistributedDataParallel(model), model, adamw(model.parameters())))
+    contenders.append(Contender("ddp", DistributedDataParallel(model), adamw(model.parameters())))
     for stage in (0, 1, 2):
         model = copy.deepcopy(base)
         opt = ZeroOptimizer(adamw(model.parameters()), model, stage=stage, bucket_size_mb=bucket_mb)
-        contenders.append(Contender(f"zero-{stage}", model, model, opt))
+        contenders.append(Contender(f"zero-{stage}", model, opt))
     if ZeroRedundancyOptimizer is not None:
         model = copy.deepcopy(base)
         opt = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1
         )
-        contenders.append(Contender("zero-ro", DistributedDataParallel(model), model, opt))
+        contenders.append(Contender("zero-ro", DistributedDataParallel(model), opt))
     return contenders
 
 

@@ -64,6 +64,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
         self.register_buffer("positions", torch.arange(cfg.seq_len), persistent=False)
+        self.apply(_init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -75,6 +76,14 @@ class GPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(idx)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialization: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
 
 def synthetic_batch(step: int, batch_size: int, cfg: GPTConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
