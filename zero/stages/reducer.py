@@ -107,7 +107,7 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         bucket, handle = self._in_flight.popleft()
         handle.wait()
-        self.stage.finish_reduce(bucket, self.comm.world_size)
+        self.stage.finish_reduce(bucket)
 
     def _finish_round(self) -> None:
         """End of the backward pass: launch what is left, agree on used parameters, drain."""

@@ -3,7 +3,7 @@
 Every rank holds whole parameters, whole gradients and whole optimizer state, as
 ``DistributedDataParallel`` does: gradients live in persistent flat buckets (each
 ``p.grad`` is a view into one), each bucket is all-reduced in place as soon as its
-gradients are ready, then averaged. There is one shard per bucket: the whole of it.
+gradients are ready (divided by the world size first, as DDP does). There is one shard per bucket: the whole of it.
 """
 
 from __future__ import annotations
@@ -46,15 +46,20 @@ class Stage0:
 
     # ----- reduction ----------------------------------------------------------------------------------
 
-    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+    @staticmethod
+    def prescale(bucket: Bucket, comm: Communicator) -> None:
+        """Divide by the world size before summing, as DDP does, so the sum is the average
+        (and its rounding is DDP's)."""
         assert bucket.grad_buffer is not None
+        if comm.world_size > 1:
+            bucket.grad_buffer.data.div_(comm.world_size)
+
+    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+        self.prescale(bucket, comm)
         return comm.all_reduce(bucket.grad_buffer.data, what=f"all-reduce of {bucket}")
 
-    def finish_reduce(self, bucket: Bucket, world_size: int) -> None:
-        """Turn the summed gradient chunk into the average over ranks."""
-        assert bucket.grad_shard is not None
-        if world_size > 1:
-            bucket.grad_shard.div_(world_size)
+    def finish_reduce(self, bucket: Bucket) -> None:
+        """Called once the bucket's collective has completed (the averaged result is in place)."""
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
         """Zero the persistent gradient buckets in place (the ``p.grad`` views stay valid)."""

@@ -2,7 +2,7 @@
 
 Gradients stay whole and persistent as at stage 0, but each bucket is reduce-scattered
 in place: afterwards this rank's chunk of ``grad_buffer`` holds the summed gradient
-for the elements it owns (``grad_shard`` is a view of that chunk), and the rest of the
+(already averaged) for the elements it owns (``grad_shard`` is a view of that chunk), and the rest of the
 buffer still holds local gradients, which nothing reads. The inner optimizer steps
 only this rank's chunk, so its state is ``1/N`` of the model; updated chunks are
 then all-gathered in place into ``param_buffer``.
@@ -22,7 +22,7 @@ class Stage1(Stage0):
         return world_size
 
     def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
-        assert bucket.grad_buffer is not None
+        self.prescale(bucket, comm)
         return comm.reduce_scatter(
             bucket.chunk_of(bucket.grad_buffer), bucket.grad_buffer.data, what=f"reduce-scatter of {bucket}"
         )

@@ -3,7 +3,7 @@
 A bucket's full-size ``grad_buffer`` exists only while that bucket is being reduced:
 the gradient hook copies each finished ``p.grad`` into it and drops ``p.grad``; once
 all of the bucket's gradients are in, it is reduce-scattered in place, this rank's
-chunk is averaged and added into the persistent ``grad_shard`` (``1/N`` of the
+chunk (already averaged) is added into the persistent ``grad_shard`` (``1/N`` of the
 bucket), and the full buffer's storage is released. At most
 ``ZeroConfig.max_in_flight_buckets`` buffers are alive at once during backward.
 
@@ -50,13 +50,11 @@ class Stage2(Stage1):
         if layout.padding:
             bucket.grad_buffer.view(layout.numel, layout.padding).zero_()
 
-    def finish_reduce(self, bucket: Bucket, world_size: int) -> None:
-        assert bucket.grad_buffer is not None
-        reduced = bucket.chunk_of(bucket.grad_buffer)
-        if world_size > 1:
-            reduced.div_(world_size)
+    def finish_reduce(self, bucket: Bucket) -> None:
+        """Add the averaged chunk into the persistent shard and release the full buffer."""
+        assert bucket.grad_buffer is not None and bucket.grad_shard_buffer is not None
         bucket.grad_shard_buffer.allocate(zero=True)
-        bucket.grad_shard.add_(reduced)
+        bucket.grad_shard.add_(bucket.chunk_of(bucket.grad_buffer))
         bucket.grad_buffer.free()
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
