@@ -60,7 +60,6 @@ class Bucket:
         self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
-        self.launched = False
 
     def __repr__(self) -> str:
         names = [s.name for s in self.slots]
@@ -114,7 +113,6 @@ class Bucket:
 
     def start_round(self) -> None:
         self.num_ready = 0
-        self.launched = False
         for slot in self.slots:
             slot.ready = False
 

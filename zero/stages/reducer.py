@@ -53,7 +53,6 @@ class GradReducer:
         self.state = RoundState.IDLE
         self.has_reduced = False  # reduced gradients are available for step()
         self.has_unreduced_local = False  # gradients from no_sync() passes wait for a synced pass
-        self.num_rounds = 0
         self._next = 0  # index of the next bucket to launch
         self._in_flight: deque[tuple[Bucket, Handle]] = deque()
         self._hooks = [
@@ -101,7 +100,6 @@ class GradReducer:
         if len(self._in_flight) >= self.max_in_flight:
             self._complete_oldest()
         self._in_flight.append((bucket, self.stage.launch_reduce(bucket, self.comm)))
-        bucket.launched = True
         self._next += 1
 
     def _complete_oldest(self) -> None:
@@ -125,7 +123,6 @@ class GradReducer:
         self.state = RoundState.IDLE
         self.has_reduced = True
         self.has_unreduced_local = False
-        self.num_rounds += 1
 
     def reset(self) -> None:
         """Forget gradients (after ``zero_grad(set_to_none=True)``)."""
