@@ -82,9 +82,7 @@ def _train(stage, cfg, batch, args, rank, world, say):
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep gradients allocated so the memory table shows them
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(sum(opt.comm.all_gather_object(loss.item())) / world)
         if step % 10 == 0 or step == args.steps - 1:
             say(f"  stage {stage}  step {step + 1:>3}/{args.steps}  loss {losses[-1]:.4f}  "
                 f"({time.perf_counter() - start:.1f}s)", flush=True)
