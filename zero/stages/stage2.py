@@ -53,8 +53,12 @@ class Stage2(Stage1):
     def finish_reduce(self, bucket: Bucket) -> None:
         """Add the averaged chunk into the persistent shard and release the full buffer."""
         assert bucket.grad_buffer is not None and bucket.grad_shard_buffer is not None
-        bucket.grad_shard_buffer.allocate(zero=True)
-        bucket.grad_shard.add_(bucket.chunk_of(bucket.grad_buffer))
+        reduced = bucket.chunk_of(bucket.grad_buffer)
+        if bucket.grad_shard_buffer.is_allocated:  # a later pass before step(): accumulate
+            bucket.grad_shard.add_(reduced)
+        else:  # first pass since zero_grad(): one copy instead of zero-fill + add
+            bucket.grad_shard_buffer.allocate(zero=False)
+            bucket.grad_shard.copy_(reduced)
         bucket.grad_buffer.free()
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
