@@ -1,9 +1,9 @@
-"""zero: ZeRO data parallelism for PyTorch (sharded optimizer state and gradients)."""
+"""zero: ZeRO data parallelism for PyTorch (sharded optimizer state, gradients and parameters)."""
 
 from zero.config import ZeroConfig
 from zero.memory import ModelStateBytes, zero_model_state_bytes
-from zero.optimizer import ZeroOptimizer
+from zero.optimizer import ZeroOptimizer, init_sharded
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["ModelStateBytes", "ZeroConfig", "ZeroOptimizer", "zero_model_state_bytes", "__version__"]
+__all__ = ["ModelStateBytes", "ZeroConfig", "ZeroOptimizer", "init_sharded", "zero_model_state_bytes", "__version__"]

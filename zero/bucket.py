@@ -3,7 +3,9 @@
 A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shards``):
 
 * ``params``      the model parameters packed in it; their ``.data`` are views of ``param_buffer``
-* ``param_buffer`` FlatBuffer(P): the full parameters (stages 0-2 keep them whole)
+* ``param_buffer`` FlatBuffer(P): the full parameters (stages 0-2 keep them whole; stage 3 only
+                   while its unit is gathered)
+* ``shard_buffer`` FlatBuffer(C), stage 3 only: this rank's persistent chunk of the parameters
 * ``grad_buffer`` FlatBuffer(P): full-size gradients; persistent or transient, as the stage decides
 * ``grad_shard``  (C,) this rank's reduced, averaged gradient chunk
 * ``shard``       (C,) this rank's chunk of the parameters, which the inner optimizer updates
@@ -32,6 +34,9 @@ class ParamSlot:
     group_index: int  # index of its param group in the wrapped optimizer
     bucket: "Bucket"
     span: ParamSpan
+    order: int = 0  # position in model.named_parameters()
+    view: torch.Tensor | None = None  # the parameter's shape, inside ``bucket.param_buffer``
+    placeholder: torch.Tensor | None = None  # stage 3: its ``.data`` while sharded
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass
@@ -54,7 +59,9 @@ class Bucket:
         self.index = layout.index
         self.shard_index = shard_index
         self.slots: list[ParamSlot] = []
-        self.param_buffer = FlatBuffer(layout.padded_numel, dtype, device)
+        self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
+        self.param_buffer = FlatBuffer(layout.padded_numel, dtype, device, allocate=False)  # the stage fills it
+        self.shard_buffer: FlatBuffer | None = None  # stage 3
         self.grad_buffer: FlatBuffer | None = None  # set by the stage
         self.grad_shard: torch.Tensor | None = None  # set by the stage
         self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
@@ -68,14 +75,22 @@ class Bucket:
 
     # ----- construction ---------------------------------------------------------------------------
 
-    def adopt(self, slot: ParamSlot) -> None:
-        """Copy the parameter into the flat buffer and make its ``.data`` a view of it."""
-        param, span = slot.param, slot.span
-        view = self.param_buffer.view(span.offset, span.numel, param.shape)
-        with torch.no_grad():
-            view.copy_(param.data)
-        param.data = view
+    def add(self, slot: ParamSlot) -> None:
         self.slots.append(slot)
+
+    def make_views(self) -> None:
+        """Each slot's view of ``param_buffer`` (which must be allocated now)."""
+        for slot in self.slots:
+            slot.view = self.param_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
+
+    def adopt_whole(self) -> None:
+        """Copy every parameter into ``param_buffer`` and make its ``.data`` a view of it (stages 0-2)."""
+        self.param_buffer.allocate()
+        self.make_views()
+        with torch.no_grad():
+            for slot in self.slots:
+                slot.view.copy_(slot.param.data)
+                slot.param.data = slot.view
 
     def build_pieces(self) -> None:
         """Create the inner optimizer's tensors: views of this rank's chunk."""
@@ -95,8 +110,10 @@ class Bucket:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's chunk of the parameters (1D). With fp32 parameters on the optimizer's device
-        it is a view of ``param_buffer``, so the optimizer step writes the parameters directly."""
+        """This rank's chunk of the parameters (1D), which the optimizer updates: at stages 0-2 a view
+        of ``param_buffer`` (the step writes the parameters directly), at stage 3 ``shard_buffer``."""
+        if self.shard_buffer is not None:
+            return self.shard_buffer.data
         return self.chunk_of(self.param_buffer)
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:

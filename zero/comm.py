@@ -93,6 +93,11 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size})"
 
+    @property
+    def backend(self) -> str:
+        """The process group's backend (``"nccl"``, ``"gloo"``, ...), or ``"none"`` without one."""
+        return str(dist.get_backend(self.group)) if self.group is not None else "none"
+
     def _handle(self, work: Any, what: str) -> Handle:
         return Handle(work, what, self.timeout)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SUPPORTED_STAGES = (0, 1, 2)
+SUPPORTED_STAGES = (0, 1, 2, 3)
 
 
 class ZeroConfig(BaseModel):
@@ -23,7 +23,7 @@ class ZeroConfig(BaseModel):
     stage: int = Field(
         2,
         description="0: plain data parallelism (all-reduce); 1: shard optimizer state; "
-        "2: also shard gradients.",
+        "2: also shard gradients; 3: also shard parameters (gathered unit by unit in forward and backward).",
     )
     bucket_size_mb: float = Field(
         25.0,
@@ -45,13 +45,44 @@ class ZeroConfig(BaseModel):
         True, description="Broadcast rank 0's parameters and buffers to every rank at construction (as DDP does)."
     )
 
+    unit_classes: Optional[tuple[str, ...]] = Field(
+        None,
+        description="Stage 3: names of the module classes that each form one gathering unit (e.g. "
+        "['Block', 'GPT2Block']). Default: every module held directly in an nn.ModuleList (each "
+        "transformer block). Parameters outside every unit form one more unit with the root module.",
+    )
+    unit_size_mb: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Stage 3 alternative to unit_classes: make a unit of every module whose not-yet-claimed "
+        "parameters reach this many MiB (children first).",
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="Stage 3: free a unit's gathered parameters after its forward and gather them again for "
+        "its backward (3Ψ traffic per step); False keeps them until the unit's backward (2Ψ, more memory).",
+    )
+    prefetch_units: int = Field(
+        1,
+        ge=0,
+        description="Stage 3: how many units ahead (in the order recorded on the previous step) are gathered "
+        "while the current one computes; bounds the gathered working set to 1 + prefetch_units units "
+        "(plus the units enclosing them).",
+    )
+
     @field_validator("stage")
     @classmethod
     def _known_stage(cls, stage: int) -> int:
         if stage not in SUPPORTED_STAGES:
             allowed = ", ".join(map(str, SUPPORTED_STAGES))
-            raise ValueError(f"stage must be one of {allowed} (got {stage}); stage 3 is not implemented yet")
+            raise ValueError(f"stage must be one of {allowed} (got {stage})")
         return stage
+
+    @model_validator(mode="after")
+    def _one_unit_policy(self) -> "ZeroConfig":
+        if self.unit_classes is not None and self.unit_size_mb is not None:
+            raise ValueError("set either unit_classes or unit_size_mb (the stage-3 unit policy), not both")
+        return self
 
     @property
     def bucket_size_bytes(self) -> int:

@@ -18,8 +18,10 @@ class FlatBuffer:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, allocate: bool = True):
         self.numel = numel
         self.dtype = dtype
-        self.data = torch.zeros(numel, dtype=dtype, device=device)  # 1D
-        if not allocate:
+        self.data = torch.empty(numel, dtype=dtype, device=device)  # 1D
+        if allocate:
+            self.data.zero_()
+        else:  # large host allocations are mapped lazily, so the empty() above touched no memory
             self.free()
 
     @property
@@ -42,7 +44,8 @@ class FlatBuffer:
         self.data.untyped_storage().resize_(0)
 
     def view(self, start: int, numel: int, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:
-        """A view of ``numel`` elements from ``start``, optionally reshaped."""
+        """A view of ``numel`` elements from ``start``, optionally reshaped (create views while allocated;
+        they stay attached across ``free()`` / ``allocate()``)."""
         assert 0 <= start and start + numel <= self.numel, (start, numel, self.numel)
         flat = self.data.narrow(0, start, numel)
         return flat if shape is None else flat.view(shape)

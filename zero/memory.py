@@ -33,10 +33,11 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (released storages count 0)."""
     seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes:
-            seen[_storage_key(t)] = nbytes
+    with torch._C.DisableTorchFunctionSubclass():  # accounting reads sharded parameters' storage too
+        for t in tensors:
+            nbytes = t.untyped_storage().nbytes()
+            if nbytes:
+                seen[_storage_key(t)] = nbytes
     return sum(seen.values())
 
 

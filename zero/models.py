@@ -64,7 +64,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
         self.register_buffer("positions", torch.arange(cfg.seq_len), persistent=False)
-        self.apply(_init_weights)
+        self.apply(init_gpt_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -78,8 +78,12 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialization: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+def init_gpt_weights(module: nn.Module) -> None:
+    """GPT-2's initialization: N(0, 0.02) weights, zero biases, unit LayerNorm; applied with
+    ``model.apply`` at construction, and the ``init_fn`` that rebuilds it from the meta device
+    (which also needs the ``positions`` buffer made again)."""
+    if isinstance(module, GPT):
+        module.positions = torch.arange(module.cfg.seq_len, device=module.wte.weight.device)
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:

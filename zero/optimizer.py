@@ -6,17 +6,22 @@ import inspect
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
+from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import ModelStateBytes, storage_bytes
 from zero.partition import build_partition
-from zero.stages import make_stage
-from zero.stages.reducer import GradReducer
+from zero.stages import Stage3, make_stage
+from zero.stages.gatherer import ParamGatherer
+from zero.stages.reducer import GradReducer, RoundState
+from zero.units import plan_units
 
 # Update rules that act element by element: correct on any slice of a flattened parameter.
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -66,6 +71,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         config: ZeroConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
+        init_fn: InitFn | None = None,
+        device: torch.device | str | None = None,
         **overrides: Any,
     ):
         self.config = _resolve_config(config, overrides)
@@ -73,6 +80,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.module = model
         self.comm = Communicator(process_group, self.config.timeout_s)
         self.zero_stage = make_stage(self.config.stage)
+        meta = self._replace_meta_parameters(optimizer, init_fn, device)
+        if self.config.sync_module_states:
+            self._broadcast_module_states()
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
         self.partition = build_partition(
             optimizer,
@@ -80,20 +90,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket_size_bytes=self.config.bucket_size_bytes,
             num_shards=num_shards,
             shard_index=self.comm.rank if num_shards > 1 else 0,
+            plan=self._unit_plan(),
+            device=self._init_device,
         )
-        if self.config.sync_module_states:
-            self._broadcast_module_states()
         for bucket in self.buckets:
+            self.zero_stage.init_params(bucket)
             self.zero_stage.init_grads(bucket)
             bucket.build_pieces()
+        if meta:
+            slots = {slot.param: slot for slot in self.partition.slots}
+            materialize(model, meta, slots, init_fn, self._init_device)
         self._inner = _rebuild_optimizer(optimizer, self.buckets)
-        # Buckets are packed in reverse model order; model order is descending param_index.
         self._pieces_in_model_order = sorted(
-            (p for b in self.buckets for p in b.pieces), key=lambda p: (-p.slot.span.param_index, p.piece.param_start)
+            (p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start)
         )
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.state = self._inner.state
-        self._reducer = GradReducer(self.buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets)
+        self._gatherer = None
+        if isinstance(self.zero_stage, Stage3):
+            self._gatherer = ParamGatherer(
+                self.partition.units,
+                self.buckets,
+                self.zero_stage,
+                self.comm,
+                reshard_after_forward=self.config.reshard_after_forward,
+                prefetch=self.config.prefetch_units,
+            )
+        fingerprint = self._gatherer.take_fingerprint if self._gatherer is not None else None
+        self._reducer = GradReducer(
+            self.buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets, fingerprint
+        )
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -179,6 +205,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer was built but now "
                     "has a gradient; ZeroOptimizer does not manage it. Rebuild the optimizer after unfreezing."
                 )
+        if self._gatherer is not None:  # a copy still gathered now would be stale after the step
+            self._gatherer.reshard_all()
         for bucket in self.buckets:
             for piece in bucket.pieces:
                 piece.tensor.grad = bucket.grad_piece(piece) if piece.slot.used_anywhere else None
@@ -189,6 +217,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 handle.wait()
         self.comm.end_step()
         return loss
+
+    @contextmanager
+    def gathered_parameters(
+        self,
+        targets: torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Module | torch.nn.Parameter] | None = None,
+        modifier_rank: int | None = None,
+    ) -> Iterator[None]:
+        """Whole parameters outside forward, for inspection, custom initialization or edits.
+
+        Inside the block the parameters of ``targets`` (modules, parameters, or ``None`` for
+        the whole model) are whole on every rank; ``model.state_dict()`` and
+        ``model.load_state_dict()`` work on them. On exit, edits are written back to each
+        rank's shard. With ``modifier_rank=r`` rank ``r``'s values are first broadcast to
+        every rank (edit on one rank only); with ``None`` every rank must make the same edits.
+        Call it on every rank, with the same targets, outside forward and backward. At stages
+        0-2 parameters are always whole and only ``modifier_rank`` has an effect.
+        """
+        if self._reducer.state is not RoundState.IDLE:
+            raise ValueError("gathered_parameters() cannot be used inside a backward pass")
+        buckets = self._buckets_of(targets)
+        units = self._gatherer.units_of(s.param for b in buckets for s in b.slots) if self._gatherer else []
+        for unit in units:
+            self._gatherer.unshard(unit)
+        for unit in units:
+            self._gatherer.wait(unit)
+        try:
+            yield
+        finally:
+            if modifier_rank is not None and self.comm.world_size > 1:
+                what = f"broadcast of rank {modifier_rank}'s edited parameters"
+                for handle in [self.comm.broadcast(b.param_buffer.data, modifier_rank, what=what) for b in buckets]:
+                    handle.wait()
+            if self._gatherer is not None:
+                for unit in units:
+                    for bucket in unit.buckets:
+                        self.zero_stage.write_back(bucket)
+                    self._gatherer.reshard(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients. With ``set_to_none`` (the default) parameters count as having no
@@ -252,6 +317,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def model_state_bytes(self) -> ModelStateBytes:
         """Bytes this rank holds in parameters, gradients and optimizer state (unique storages)."""
         params = [b.param_buffer.data for b in self.buckets] + [p for _, p in self.partition.frozen]
+        params += [b.shard_buffer.data for b in self.buckets if b.shard_buffer is not None]
+        params += [s.placeholder for s in self.partition.slots if s.placeholder is not None]  # one element each
         grads = [b.grad_buffer.data for b in self.buckets if b.grad_buffer is not None]
         grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
         grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]
@@ -274,13 +341,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{what} called before backward(): there are no gradients to use yet")
 
     def _broadcast_module_states(self) -> None:
+        """Rank 0's parameters and buffers everywhere (a meta model is built alike on every rank instead)."""
         if self.comm.world_size == 1:
             return
-        tensors = [b.param_buffer.data for b in self.buckets]
-        tensors += [p.data for _, p in self.partition.frozen] + list(self.module.buffers())
-        handles = [self.comm.broadcast(t, 0, what="broadcast of rank 0's module states") for t in tensors]
-        for handle in handles:
+        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if not t.is_meta]
+        tensors = [t for t in tensors if t.untyped_storage().nbytes() >= t.numel() * t.element_size()]
+        what = "broadcast of rank 0's module states"
+        for handle in [self.comm.broadcast(t.data, 0, what=what) for t in tensors]:
             handle.wait()
+
+    def _replace_meta_parameters(
+        self, optimizer: torch.optim.Optimizer, init_fn: InitFn | None, device: torch.device | str | None
+    ) -> set:
+        """Stage 3 with a meta model: swap meta parameters for placeholders on the target device."""
+        has_cuda = torch.cuda.is_available() and self.comm.backend == "nccl"
+        self._init_device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu")
+        )
+        if not any(p.is_meta for p in self.module.parameters()):
+            if init_fn is not None:
+                raise ValueError("init_fn is used only to initialize a model built on the meta device")
+            return set()
+        if not isinstance(self.zero_stage, Stage3):
+            raise ValueError(
+                f"the model has parameters on the meta device; only stage 3 materializes them shard by shard "
+                f"(got stage {self.config.stage}). Use stage=3, or build the model on a real device."
+            )
+        return replace_meta_parameters(self.module, optimizer, self._init_device)
+
+    def _unit_plan(self):
+        if not isinstance(self.zero_stage, Stage3):
+            return None
+        size = self.config.unit_size_mb
+        return partial(
+            plan_units,
+            self.module,
+            unit_classes=self.config.unit_classes,
+            unit_size_bytes=None if size is None else int(size * 2**20),
+        )
+
+    def _buckets_of(self, targets) -> list[Bucket]:
+        """The buckets holding the parameters of ``targets`` (see ``gathered_parameters``)."""
+        if targets is None:
+            return list(self.buckets)
+        items = [targets] if isinstance(targets, torch.nn.Module | torch.Tensor) else list(targets)
+        wanted: set[int] = set()
+        for item in items:
+            params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
+            wanted.update(id(p) for p in params)
+        known = {id(s.param) for s in self.partition.slots} | {id(p) for _, p in self.partition.frozen}
+        if not wanted <= known:
+            raise ValueError("gathered_parameters() got parameters that this ZeroOptimizer does not manage")
+        return [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -352,3 +464,34 @@ def _compare_layouts(saved: dict[str, Any], here: dict[str, Any]) -> None:
             "this checkpoint was saved with a different bucket layout (bucket_size_mb); "
             "resume with the same ZeroConfig.bucket_size_mb"
         )
+
+
+def init_sharded(
+    build_fn: Callable[[], torch.nn.Module],
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    *,
+    init_fn: InitFn | None = None,
+    config: ZeroConfig | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    **overrides: Any,
+) -> tuple[torch.nn.Module, ZeroOptimizer]:
+    """Build a model without ever holding it whole: on ``meta``, then stage-3 shards only.
+
+    ``build_fn()`` runs under ``torch.device("meta")``; ``make_optimizer(model)`` builds the
+    optimizer over its parameters; each rank then initializes its shards one module at a time
+    with the model's own ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.materialize`
+    for when that equals building the model normally with the same seed; every rank must use
+    the same seed). Returns ``(model, optimizer)``::
+
+        model, opt = zero.init_sharded(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters()),
+                                       init_fn=init_gpt_weights)
+    """
+    with torch.device("meta"):
+        model = build_fn()
+    overrides = {**overrides, "stage": 3}
+    optimizer = ZeroOptimizer(
+        make_optimizer(model), model, config=config, process_group=process_group, init_fn=init_fn,
+        device=device, **overrides,
+    )
+    return model, optimizer

@@ -1,4 +1,4 @@
-"""Stages 0-2 at world sizes 1, 2 and 3 against single-process PyTorch, in real gloo worlds.
+"""Stages 0-3 at world sizes 1, 2 and 3 against single-process PyTorch, in real gloo worlds.
 
 One world per world size runs every training run and check (see ``worlds.world_checks``);
 the tests below only compare what it returned.
@@ -99,6 +99,24 @@ def test_traffic_per_step_is_two_psi(world):
             assert stage0["comm_stats"]["all_reduce"]["numel"] == expected
 
 
+def test_stage3_traffic_is_three_psi_or_two_when_kept_for_backward(world):
+    """Stage 3 gathers every unit for forward and again for backward (3Ψ with the reduce-scatter);
+    with reshard_after_forward=False it gathers once (2Ψ). ParityNet's ``twice`` unit runs twice
+    per forward and is released in between, so with resharding it is gathered once more."""
+    world_size, results = world
+    for rank_result in results:
+        for reshard, gathers, again in ((True, 2, 1), (False, 1, 0)):
+            run = rank_result["traffic3"][reshard]
+            stats, padded, units = run["comm_stats"], run["padded_numel"], run["unit_numel"]
+            if world_size == 1:
+                assert "all_gather" not in stats and "reduce_scatter" not in stats
+                continue
+            assert stats["reduce_scatter"]["numel"] == padded
+            assert stats["reduce_scatter"]["calls"] == len(units)
+            assert stats["all_gather"]["numel"] == gathers * padded + again * units["twice.0"]
+            assert stats["all_gather"]["calls"] == gathers * len(units) + again
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_state_memory_matches_zero_formula(world, stage):
     world_size, results = world
@@ -108,7 +126,8 @@ def test_model_state_memory_matches_zero_formula(world, stage):
         assert mem["measured"] == held + mem["buffers"]
         psi, pad, frozen = mem["numel"], mem["padded_numel"] - mem["numel"], 4 * mem["frozen_numel"]
         grad_pad = pad if stage < 2 else pad / world_size
-        expected = zero_model_state_bytes(psi, world_size, stage) + 4 * pad + 4 * grad_pad + frozen
+        param_pad = pad if stage < 3 else pad / world_size
+        expected = zero_model_state_bytes(psi, world_size, stage) + 4 * param_pad + 4 * grad_pad + frozen
         assert held == pytest.approx(expected, rel=0.01)
 
 
@@ -119,9 +138,23 @@ def test_resume_from_state_dict_is_bit_exact(world, stage):
         assert r["resume"][stage] == 0.0
 
 
-def test_hugging_face_gpt2_trains_like_single_process(world):
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_models_train_at_stage3_like_single_process(world, family):
     pytest.importorskip("transformers")
     _, results = world
     for r in results:
-        assert r["gpt2"] is not None, "transformers is installed but the world could not import it"
-        assert r["gpt2"]["zero"] <= 2 * r["gpt2"]["ddp"]
+        assert r[family] is not None, "transformers is installed but the world could not import it"
+        assert r[family]["zero"] <= 2 * r[family]["ddp"]
+
+
+def test_meta_built_model_gets_the_weights_of_a_normal_build(world):
+    _, results = world
+    for r in results:
+        assert r["meta_init"] == 0.0
+
+
+def test_stage3_inference_under_no_grad(world):
+    _, results = world
+    for r in results:
+        assert r["inference"]["max_diff"] == 0.0
+        assert r["inference"]["gathered_after"] == 0  # nothing stays gathered after a no_grad forward

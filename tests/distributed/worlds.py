@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zero import ZeroOptimizer
+from zero import ZeroOptimizer, init_sharded
 from zero.memory import live_tensor_bytes, storage_bytes
-from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+from zero.models import GPT, GPTConfig, init_gpt_weights, local_slice, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
@@ -35,15 +35,17 @@ SCENARIOS = [
     ("adamw", "accum"),
     ("adamw", "clip"),
     ("sgd", "clip"),  # SGD keeps runs within rounding of each other, so every step's norm is comparable
+    ("sgd", "edit"),  # rank 0 edits a parameter in gathered_parameters(modifier_rank=0) mid-run
 ]
 NUM_BATCHES = 3  # batches are revisited, so the loss visibly falls
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
+EDIT_STEP = 4
 
 
 class ParityNet(nn.Module):
     """A tied-embedding GPT plus the awkward cases: a 1-element parameter (fewer elements than
     ranks), a module used only on odd steps (no gradient anywhere on even steps), a frozen
-    parameter and a buffer."""
+    parameter, a buffer, and (at stage 3) a block called twice in one forward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,9 +53,12 @@ class ParityNet(nn.Module):
         self.scale = nn.Parameter(torch.ones(1))
         self.aux = nn.Linear(CFG.vocab_size, CFG.vocab_size)
         self.frozen_bias = nn.Parameter(torch.randn(CFG.vocab_size) * 0.01, requires_grad=False)
+        self.register_buffer("temperature", torch.tensor(1.25))
+        self.twice = nn.ModuleList([nn.Linear(CFG.vocab_size, CFG.vocab_size)])  # a stage-3 unit, called twice
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_aux: bool) -> torch.Tensor:
-        logits = self.gpt(idx) * self.scale + self.frozen_bias
+        logits = self.gpt(idx) * self.scale / self.temperature + self.frozen_bias
+        logits = logits + 0.1 * self.twice[0](torch.tanh(self.twice[0](logits)))
         if use_aux:
             logits = logits + 0.1 * self.aux(logits)
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -76,8 +81,19 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return cls(param_groups(model, kwargs["lr"]), **kwargs)
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+def flat_params(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Every parameter, whole (gathered first when ``opt`` is a ZeroOptimizer)."""
+    with opt.gathered_parameters() if isinstance(opt, ZeroOptimizer) else nullcontext():
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def edit(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+    """Scale one LayerNorm weight on rank 0; ZeroOptimizer shares the edit from rank 0."""
+    zero = isinstance(opt, ZeroOptimizer)
+    with opt.gathered_parameters(model.gpt.ln_f, modifier_rank=0) if zero else torch.no_grad():
+        if rank == 0 or not zero:
+            with torch.no_grad():
+                model.gpt.ln_f.weight.mul_(1.5)
 
 
 def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps: int = STEPS) -> dict:
@@ -96,6 +112,8 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
         forward, no_sync, micro_splits = model, opt.no_sync, micro
     losses, norms = [], []
     for step in range(steps):
+        if scenario == "edit" and step == EDIT_STEP:
+            edit(model, opt, rank)
         x, y = synthetic_batch(step % NUM_BATCHES, GLOBAL_BATCH * micro, CFG)
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         use_aux = step % 2 == 1
@@ -113,7 +131,7 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
         if world_size > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world_size)
-    out = {"losses": losses, "norms": norms, "params": flat_params(model)}
+    out = {"losses": losses, "norms": norms, "params": flat_params(model, opt)}
     if isinstance(opt, ZeroOptimizer):
         out["comm_stats"] = opt.comm_stats
         out["numel"], out["padded_numel"] = opt.partition.numel, opt.partition.padded_numel
@@ -128,6 +146,21 @@ def _micro_batches(x: torch.Tensor, y: torch.Tensor, splits: int):
 
 def _torch_clip(model: nn.Module):
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def stage3_traffic(rank: int, world_size: int, reshard_after_forward: bool) -> dict:
+    """One stage-3 step's comm counters, with or without regathering for backward."""
+    model = build_model()
+    opt = ZeroOptimizer(
+        make_optimizer("adamw", model), model, stage=3, reshard_after_forward=reshard_after_forward
+    )
+    for step in range(2):
+        x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
+        model(local_slice(x, rank, world_size), local_slice(y, rank, world_size), True).backward()
+        opt.step()
+        opt.zero_grad()
+    unit_numel = {b.unit.name: b.layout.padded_numel for b in opt.buckets}
+    return {"comm_stats": opt.comm_stats, "padded_numel": opt.partition.padded_numel, "unit_numel": unit_numel}
 
 
 def memory_after_step(rank: int, world_size: int, stage: int) -> dict:
@@ -171,27 +204,37 @@ def resume_matches(rank: int, world_size: int, stage: int) -> float:
 
     model, opt = fresh()
     run(model, opt, range(3))
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    with opt.gathered_parameters():  # stage 3: parameters are whole only inside
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     run(model, opt, range(3, 6))
     model2, opt2 = fresh()
-    model2.load_state_dict(saved["model"])
+    with opt2.gathered_parameters():
+        model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     run(model2, opt2, range(3, 6))
-    return float((flat_params(model) - flat_params(model2)).abs().max())
+    return float((flat_params(model, opt) - flat_params(model2, opt2)).abs().max())
 
 
-def gpt2_parity(rank: int, world_size: int, stage: int) -> dict | None:
-    """Hugging Face GPT-2 (random weights, built from a config): ||params - single process||_2 for
-    ZeroOptimizer and for DDP (the noise floor), after a few AdamW steps."""
+def hf_parity(rank: int, world_size: int, stage: int, family: str) -> dict | None:
+    """Hugging Face GPT-2 or Llama (random weights, built from a config): ||params - single process||_2
+    for ZeroOptimizer and for DDP (the noise floor), after a few AdamW steps."""
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers
     except ImportError:
         return None
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        build = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=16,
+        )
+        build = transformers.LlamaForCausalLM
 
     def run(mode: str) -> torch.Tensor:
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(config).eval()  # eval: dropout off, so ranks and reference agree
+        model = build(config).eval()  # eval: dropout off, so ranks and reference agree
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         forward = model
         if mode == "ddp":
@@ -205,14 +248,39 @@ def gpt2_parity(rank: int, world_size: int, stage: int) -> dict | None:
             forward(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-        return flat_params(model)
+        return flat_params(model, opt)
 
     ref = run("reference")
     return {mode: float((run(mode) - ref).norm()) for mode in ("zero", "ddp")}
 
 
+def meta_init_matches(rank: int, world_size: int) -> float:
+    """Max |difference| between a GPT built normally and one built on meta + init_sharded (same seed)."""
+    torch.manual_seed(1234)
+    normal = flat_params(GPT(CFG))
+    torch.manual_seed(1234)
+    model, opt = init_sharded(
+        lambda: GPT(CFG), lambda m: torch.optim.AdamW(m.parameters()), init_fn=init_gpt_weights
+    )
+    return float((flat_params(model, opt) - normal).abs().max())
+
+
+def inference_matches(rank: int, world_size: int) -> dict:
+    """Stage-3 eval forward under no_grad vs the same model unsharded; and nothing stays gathered."""
+    model = build_model().eval()
+    x, y = synthetic_batch(0, GLOBAL_BATCH, CFG)
+    with torch.no_grad():
+        expected = model(x, y, True)
+    opt = ZeroOptimizer(make_optimizer("adamw", model), model, stage=3)
+    with torch.no_grad():
+        got = model(x, y, True)
+    gathered = sum(b.param_buffer.is_allocated for b in opt.buckets)
+    return {"max_diff": float((got - expected).abs().max()), "gathered_after": gathered}
+
+
 def world_checks(rank: int, world_size: int) -> dict:
-    """Everything one world runs: parity runs (DDP and each stage), memory, resume, GPT-2."""
+    """Everything one world runs: parity runs (DDP and each stage), memory, resume, Hugging Face models,
+    and stage 3's traffic, meta initialization and inference."""
     runs = {}
     for kind, scenario in SCENARIOS:
         if rank == 0:  # in the same process as the runs it is compared with (same threads, same kernels)
@@ -223,5 +291,9 @@ def world_checks(rank: int, world_size: int) -> dict:
         "runs": runs,
         "memory": {stage: memory_after_step(rank, world_size, stage) for stage in STAGES},
         "resume": {stage: resume_matches(rank, world_size, stage) for stage in STAGES},
-        "gpt2": gpt2_parity(rank, world_size, 2),
+        "gpt2": hf_parity(rank, world_size, 3, "gpt2"),
+        "llama": hf_parity(rank, world_size, 3, "llama"),
+        "traffic3": {keep: stage3_traffic(rank, world_size, keep) for keep in (True, False)},
+        "meta_init": meta_init_matches(rank, world_size),
+        "inference": inference_matches(rank, world_size),
     }

@@ -17,6 +17,8 @@ Data flow in one synchronized backward pass (a *round*):
    gradients that never arrived and launched in order; then one small all-reduce tells
    every rank which parameters got a gradient on *any* rank. The optimizer gives the
    others no gradient at all, exactly as single-process PyTorch leaves ``p.grad = None``.
+   At stage 3 the same all-reduce carries a fingerprint of the units each rank gathered,
+   so ranks that ran different units are caught here (see ``zero.stages.gatherer``).
 
 Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
 and the next synchronized pass reduces their sum.
@@ -26,13 +28,14 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from functools import partial
+from typing import Callable
 
 import torch
 
-from zero.bucket import Bucket, ParamSlot
+from zero.bucket import Bucket
 from zero.comm import Communicator, Handle
 from zero.stages.stage0 import Stage0
+from zero.weak import weak_hook
 
 
 class RoundState(enum.Enum):
@@ -43,12 +46,20 @@ class RoundState(enum.Enum):
 class GradReducer:
     """Registers the gradient hooks and runs one reduction round per synchronized backward."""
 
-    def __init__(self, buckets: list[Bucket], stage: Stage0, comm: Communicator, max_in_flight: int):
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        stage: Stage0,
+        comm: Communicator,
+        max_in_flight: int,
+        fingerprint: Callable[[], int] | None = None,
+    ):
         self.buckets = buckets  # launch order
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
         self.stage = stage
         self.comm = comm
         self.max_in_flight = max_in_flight
+        self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
         self.sync_enabled = True  # False inside no_sync()
         self.state = RoundState.IDLE
         self.has_reduced = False  # reduced gradients are available for step()
@@ -56,8 +67,8 @@ class GradReducer:
         self._next = 0  # index of the next bucket to launch
         self._in_flight: deque[tuple[Bucket, Handle]] = deque()
         self._hooks = [
-            slot.param.register_post_accumulate_grad_hook(partial(self._on_grad, slot))
-            for slot in self.slots
+            slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
+            for i, slot in enumerate(self.slots)
         ]
 
     def remove_hooks(self) -> None:
@@ -67,7 +78,8 @@ class GradReducer:
 
     # ----- hooks ----------------------------------------------------------------------------------------
 
-    def _on_grad(self, slot: ParamSlot, param: torch.Tensor) -> None:
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        slot = self.slots[index]
         slot.used_here = True
         if not self.sync_enabled:
             self.has_unreduced_local = True
@@ -114,15 +126,27 @@ class GradReducer:
                 if not slot.ready:
                     self.stage.stage_grad(bucket, slot)
             self._launch(bucket)
-        flags = torch.tensor([slot.used_here for slot in self.slots], dtype=torch.int32)
+        local = [int(slot.used_here) for slot in self.slots]
+        if self.fingerprint is not None:
+            value = self.fingerprint()
+            local += [value, -value]  # MAX of both: equal to (value, -value) only if every rank had value
+        flags = torch.tensor(local, dtype=torch.int32)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
         while self._in_flight:
             self._complete_oldest()
-        for slot, used in zip(self.slots, flags.tolist()):
+        agreed = flags.tolist()
+        for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
         self.state = RoundState.IDLE
         self.has_reduced = True
         self.has_unreduced_local = False
+        if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
+            raise RuntimeError(
+                "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
+                "their control flow diverged (e.g. a branch or loop count that depends on each rank's data), so "
+                "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
+                "every rank run the same modules in the same order."
+            )
 
     def reset(self) -> None:
         """Forget gradients (after ``zero_grad(set_to_none=True)``)."""

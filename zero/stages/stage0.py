@@ -20,7 +20,11 @@ class Stage0:
         """How many ways each bucket is split (1: every rank owns all of it)."""
         return 1
 
-    # ----- gradient storage -------------------------------------------------------------------------
+    # ----- parameter and gradient storage ------------------------------------------------------------
+
+    def init_params(self, bucket: Bucket) -> None:
+        """Move the bucket's parameters into its flat buffer, whole (stages 0-2)."""
+        bucket.adopt_whole()
 
     def init_grads(self, bucket: Bucket) -> None:
         """Allocate the bucket's gradient storage and point each ``p.grad`` into it."""

@@ -1,0 +1,95 @@
+"""Stage 3's parameters: whole while their unit is gathered, a guarded placeholder otherwise.
+
+Note: a managed parameter keeps its identity (the object the model, tied modules and
+autograd's saved tensors refer to); only its ``.data`` changes. While gathered, ``.data``
+is a view of its bucket's ``param_buffer``; while sharded it is a placeholder of the same
+shape backed by a single NaN (``expand`` of a scalar), so that no code path can read
+released memory. Autograd saves the parameter object, not its data, so the values a
+backward pass sees are whatever is gathered when it runs.
+
+The parameter's class becomes :class:`ZeroParameter`, whose ``__torch_function__`` turns
+any use of a *sharded* parameter (an op, ``.data``, printing, ``state_dict``) into an error
+that names it and says how to gather it; shape, dtype, device and hook queries stay allowed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Attribute getters and methods that only read metadata (or hooks): allowed while sharded.
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "is_meta", "is_cuda",
+        "is_sparse", "is_quantized", "is_nested", "grad_fn", "_grad_fn", "_base", "names", "size", "dim",
+        "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__hash__", "requires_grad_",
+        "register_hook", "register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks", "_backward_hooks",
+        "__len__", "get_device", "_is_view", "__format__",
+    }
+)
+
+
+def _name_of(func) -> str:
+    owner = getattr(func, "__self__", None)  # getset descriptors' __get__/__set__ wrappers
+    if owner is not None and not isinstance(owner, torch.Tensor) and hasattr(owner, "__name__"):
+        return owner.__name__
+    return getattr(func, "__name__", "")
+
+
+class ZeroParameter(nn.Parameter):
+    """A parameter managed by a stage-3 :class:`~zero.ZeroOptimizer` (see the module docstring)."""
+
+    _zero_name: str
+    _zero_sharded: bool
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__repr__ and args[0]._zero_sharded:  # say what it is; never crash a debugger
+            p = args[0]
+            return f"ZeroParameter({p._zero_name!r}, shape={tuple(p.shape)}, dtype={p.dtype}, sharded)"
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, (list, tuple)):
+                for item in arg:
+                    if type(item) is ZeroParameter and item._zero_sharded:
+                        _refuse(item, func)
+            elif type(arg) is ZeroParameter and arg._zero_sharded:
+                _refuse(arg, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _refuse(param: ZeroParameter, func) -> None:
+    name = _name_of(func)
+    if name in _METADATA:
+        return
+    raise RuntimeError(
+        f"zero: parameter {param._zero_name!r} is sharded across ranks (stage 3) and was used outside its "
+        f"unit's forward/backward (in {name or func}). Its values exist only as 1/N shards between uses. To "
+        f"read or edit it, wrap the code in `with opt.gathered_parameters(...)`; to use it in forward, "
+        f"call it from the module that owns it (or put its users in one unit with ZeroConfig.unit_classes)."
+    )
+
+
+def make_sharded(param: nn.Parameter, name: str) -> ZeroParameter:
+    """Turn ``param`` (the same object) into a :class:`ZeroParameter`; it starts gathered."""
+    if type(param) is not nn.Parameter:
+        raise ValueError(
+            f"parameter {name!r} is a {type(param).__name__}; stage 3 manages plain torch.nn.Parameter objects"
+        )
+    param.__class__ = ZeroParameter
+    param._zero_name = name
+    param._zero_sharded = False
+    return param  # type: ignore[return-value]
+
+
+def set_data(param: ZeroParameter, data: torch.Tensor, *, sharded: bool) -> None:
+    """Point the parameter at ``data`` (a gathered view or the placeholder)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param.data = data
+    param._zero_sharded = sharded
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of the given shape that owns one element (a NaN)."""
+    return torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)

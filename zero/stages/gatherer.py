@@ -1,0 +1,224 @@
+"""Stage 3's parameter gathering: module hooks, prefetch and the gathered working set.
+
+Life of one unit in a training step (``reshard_after_forward=True``)::
+
+    forward pre-hook   unshard (all-gather, unless prefetched), wait; prefetch the next unit(s)
+    forward hook       reshard; hook the outputs so that the first gradient reaching them ...
+    pre-backward       ... unshards the unit again (and prefetches the next one in backward order)
+    last param grad    reshard (its gradients go on to the reducer as at stage 2)
+    end of backward    reshard whatever is still gathered (units with unused parameters)
+
+Prefetch follows the order in which units ran on the previous forward (backward) pass, so
+the first step gathers on demand. Every rank must run the same units in the same order
+(collectives are matched by order): the sequence of gathers is folded into a fingerprint
+that the reducer compares across ranks at the end of each backward, so a model whose
+ranks take different paths fails with an error naming the problem rather than training
+on mismatched parameters.
+
+Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward.
+Inside a unit's backward its forward may run again (activation checkpointing): the unit
+is already gathered and stays so.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import partial
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zero.bucket import Bucket
+from zero.comm import Communicator, Handle
+from zero.stages.stage3 import Stage3
+from zero.units import UnitSpec
+from zero.weak import weak_hook
+
+_FINGERPRINT_MOD = 2**31 - 1
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather in flight
+    GATHERED = "gathered"
+
+
+class Unit:
+    """Runtime state of one unit: its buckets and where it is in the step."""
+
+    def __init__(self, index: int, spec: UnitSpec, buckets: list[Bucket]):
+        self.index = index
+        self.name = spec.name or "<root>"
+        self.module = spec.module
+        self.buckets = buckets
+        self.num_params = sum(len(b.slots) for b in buckets)
+        self.state = UnitState.SHARDED
+        self.handles: list[Handle] = []
+        self.in_backward = False  # between its pre-backward and its last gradient
+        self.num_grads = 0  # parameters whose gradient arrived in this backward pass
+
+    def __repr__(self) -> str:
+        return f"unit {self.name!r}"
+
+
+class ParamGatherer:
+    """Registers stage 3's module and gradient hooks and gathers units just in time."""
+
+    def __init__(
+        self,
+        specs: list[UnitSpec],
+        buckets: list[Bucket],
+        stage: Stage3,
+        comm: Communicator,
+        *,
+        reshard_after_forward: bool,
+        prefetch: int,
+    ):
+        self.units = [Unit(i, spec, [b for b in buckets if b.unit is spec]) for i, spec in enumerate(specs)]
+        self.stage = stage
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._depth = 0  # units whose forward is running (nested)
+        self._forward_order: list[Unit] = []
+        self._previous_forward: list[Unit] = []
+        self._backward_order: list[Unit] = []
+        self._previous_backward: list[Unit] = []
+        self._in_backward_pass = False
+        self._fingerprint = 0
+        self._hooks = []
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
+            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+            for bucket in unit.buckets:
+                for slot in bucket.slots:
+                    hook = weak_hook(self._on_grad, unit.index, slot.name)
+                    self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # ----- unshard / reshard ------------------------------------------------------------------------
+
+    def unshard(self, unit: Unit) -> None:
+        """Start gathering ``unit`` (no-op unless sharded)."""
+        if unit.state is not UnitState.SHARDED:
+            return
+        unit.handles = [self.stage.unshard(bucket, self.comm) for bucket in unit.buckets]
+        unit.state = UnitState.GATHERING
+        self._fingerprint = (self._fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
+
+    def wait(self, unit: Unit) -> None:
+        """Make ``unit`` usable: gather it if needed and wait for the gather."""
+        self.unshard(unit)
+        if unit.state is UnitState.GATHERING:
+            for handle in unit.handles:
+                handle.wait()
+            unit.handles = []
+            for bucket in unit.buckets:
+                self.stage.attach(bucket)
+            unit.state = UnitState.GATHERED
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            return
+        self.wait(unit)  # never release a buffer a collective is still writing
+        for bucket in unit.buckets:
+            self.stage.reshard(bucket)
+        unit.state = UnitState.SHARDED
+
+    def reshard_all(self) -> None:
+        self._depth = 0  # also recovers from a forward interrupted by an error
+        for unit in self.units:
+            self.reshard(unit)
+            unit.in_backward = False
+            unit.num_grads = 0
+
+    def units_of(self, params: Iterable[nn.Parameter]) -> list[Unit]:
+        """The units holding any of ``params``, in unit order."""
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(s.param) in wanted for b in u.buckets for s in b.slots)]
+
+    def take_fingerprint(self) -> int:
+        """A hash of the gathers issued since the last call (same on every rank if they ran the same units)."""
+        value, self._fingerprint = self._fingerprint, 0
+        return value
+
+    # ----- forward ----------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if unit.in_backward:  # recomputation (activation checkpointing) inside the unit's backward
+            self.wait(unit)
+            return
+        if self._depth == 0:  # a new forward pass starts
+            if self._forward_order:
+                self._previous_forward = self._forward_order
+            self._forward_order = []
+        self._depth += 1
+        self._forward_order.append(unit)
+        self.wait(unit)
+        self._prefetch(self._forward_order, self._previous_forward)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if unit.in_backward:
+            return
+        self._depth -= 1
+        needs_grad = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if needs_grad:
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._pre_backward, unit), mode="any")
+        if not needs_grad or self.reshard_after_forward:
+            self.reshard(unit)
+
+    def _prefetch(self, order: list[Unit], previous: list[Unit]) -> None:
+        """Start gathering the units that followed this one last time (if the order still matches)."""
+        position = len(order)
+        if self.prefetch == 0 or len(previous) < position or previous[position - 1] is not order[-1]:
+            return
+        for unit in previous[position : position + self.prefetch]:
+            self.unshard(unit)
+
+    # ----- backward ---------------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
+        if not self._in_backward_pass:
+            self._in_backward_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if unit.in_backward:
+            return
+        unit.in_backward = True
+        self._backward_order.append(unit)
+        self.wait(unit)
+        self._prefetch(self._backward_order, self._previous_backward)
+
+    def _on_grad(self, index: int, name: str, param: torch.Tensor) -> None:
+        unit = self.units[index]
+        if unit.state is not UnitState.GATHERED:
+            raise RuntimeError(
+                f"zero: the gradient of {name!r} was computed while {unit} was not gathered: backward reached "
+                "its parameters without passing through the outputs of its forward (a tensor kept on the side "
+                "and used later?). Return such tensors from the unit's forward, or choose units "
+                "(ZeroConfig.unit_classes) so that the code using them is inside the unit."
+            )
+        unit.num_grads += 1
+        if unit.num_grads == unit.num_params and unit.in_backward:
+            self.reshard(unit)
+            unit.in_backward = False
+
+    def _end_backward(self) -> None:
+        self.reshard_all()
+        self._previous_backward, self._backward_order = self._backward_order, []
+        self._in_backward_pass = False
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """Tensors in a module's output (tensors, tuples, lists, dicts and dict-like model outputs)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []

@@ -1,0 +1,74 @@
+"""Stage 3: also shard the parameters.
+
+Each rank keeps only its chunk of every bucket (``shard_buffer``, ``1/N`` of the model);
+the optimizer updates it in place and nothing is gathered after the step. A bucket's
+full ``param_buffer`` exists only while its unit is gathered: :class:`ParamGatherer`
+(``zero.stages.gatherer``) calls :meth:`unshard` before the unit's forward and again
+before its backward, and :meth:`reshard` after each. Gradients are handled exactly as at
+stage 2 (staged per bucket, reduce-scattered, kept as a ``1/N`` shard).
+
+While sharded, every parameter's ``.data`` is a guarded placeholder (see
+``zero.sharded_param``), never a view of released memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.bucket import Bucket
+from zero.comm import Communicator, Handle
+from zero.flat_buffer import FlatBuffer
+from zero.sharded_param import make_sharded, placeholder, set_data
+from zero.stages.stage2 import Stage2
+
+
+class Stage3(Stage2):
+    number = 3
+
+    def init_params(self, bucket: Bucket) -> None:
+        """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
+        buf = bucket.param_buffer
+        buf.allocate(zero=False)  # untouched: only to create the views
+        bucket.make_views()
+        buf.free()
+        bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, buf.data.device)  # padding: zeros
+        slot_of = {slot.span.param_index: slot for slot in bucket.slots}
+        with torch.no_grad():
+            for piece in bucket.layout.pieces(bucket.shard_index):
+                source = slot_of[piece.param_index].param.detach().reshape(-1)  # 1D
+                bucket.shard.narrow(0, piece.chunk_start, piece.numel).copy_(
+                    source.narrow(0, piece.param_start, piece.numel)
+                )
+        nan = placeholder((), buf.dtype, buf.data.device)  # one element, shared by the bucket's placeholders
+        for slot in bucket.slots:
+            make_sharded(slot.param, slot.name)
+            slot.placeholder = nan.expand(slot.param.shape)
+            set_data(slot.param, slot.placeholder, sharded=True)
+
+    def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
+        """Nothing after the step: the next forward gathers the updated shards."""
+        return None
+
+    # ----- gathering, driven by ParamGatherer --------------------------------------------------------
+
+    def unshard(self, bucket: Bucket, comm: Communicator) -> Handle:
+        """Allocate ``param_buffer`` and start gathering every rank's chunk into it."""
+        assert bucket.shard_buffer is not None
+        bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
+        return comm.all_gather(bucket.param_buffer.data, bucket.shard, what=f"all-gather of {bucket}")
+
+    def attach(self, bucket: Bucket) -> None:
+        """The gather has completed: point each parameter at its whole value."""
+        for slot in bucket.slots:
+            set_data(slot.param, slot.view, sharded=False)
+
+    def write_back(self, bucket: Bucket) -> None:
+        """Copy edits made to the gathered parameters into this rank's shard."""
+        with torch.no_grad():
+            bucket.shard.copy_(bucket.chunk_of(bucket.param_buffer))
+
+    def reshard(self, bucket: Bucket) -> None:
+        """Release ``param_buffer`` and point each parameter at its placeholder."""
+        for slot in bucket.slots:
+            set_data(slot.param, slot.placeholder, sharded=True)
+        bucket.param_buffer.free()
