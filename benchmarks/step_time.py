@@ -1,10 +1,14 @@
-"""Step time of ZeRO stages 0-2 relative to DistributedDataParallel, measured in one run.
+"""Step time of ZeRO stages 0-3 relative to DistributedDataParallel, measured in one run.
 
 Every contender trains its own copy of the same GPT (same seed, same batches):
 
 * ``ddp``        -- ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW`` (the baseline)
-* ``zero-0/1/2`` -- ``zero.ZeroOptimizer(AdamW, model, stage=s)`` on the unwrapped model
+* ``zero-0..3``  -- ``zero.ZeroOptimizer(AdamW, model, stage=s)`` on the unwrapped model (stage 3:
+                  one unit per block plus the root, the default; reshard after forward; prefetch 1)
+* ``zero-3-keep`` -- stage 3 with ``reshard_after_forward=False`` (2Ψ traffic instead of 3Ψ)
 * ``zero-ro``    -- ``torch.distributed.optim.ZeroRedundancyOptimizer`` over a DDP model (if importable)
+* ``fsdp2``      -- ``torch.distributed.fsdp.fully_shard`` on each block and the root (the same units),
+                  ``reshard_after_forward=True``, on ``init_device_mesh("cpu", ...)`` (if importable)
 
 The measurement is interleaved: each step runs every contender once (the order rotates
 from step to step), so drift in machine load hits all of them alike. A timed step is
@@ -12,7 +16,8 @@ forward + backward + ``step()`` + ``zero_grad()``, started after a barrier; its 
 the max over ranks (the slowest rank sets the pace). After ``--warmup`` untimed steps
 the median of ``--steps`` timed steps is reported per contender, with its ratio to DDP.
 
-Targets: stage 1 <= 1.05x DDP, stage 2 <= 1.05x DDP, stage 1 no slower than ZeroRedundancyOptimizer.
+Targets: stages 1 and 2 <= 1.05x DDP, stage 1 no slower than ZeroRedundancyOptimizer; stage 3
+<= 1.15x DDP and no slower than FSDP2.
 
 Run (CPU, gloo)::
 
@@ -45,8 +50,13 @@ try:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 except ImportError:  # pragma: no cover - depends on the torch build
     ZeroRedundancyOptimizer = None
+try:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # pragma: no cover - depends on the torch build
+    fully_shard = None
 
-TOLERANCE = 1.05  # allowed step-time ratio to DDP for stages 1 and 2
+LIMITS = {"zero-1": 1.05, "zero-2": 1.05, "zero-3": 1.15}  # allowed step-time ratios to DDP
 
 
 @dataclass
@@ -101,16 +111,26 @@ def build_contenders(base: GPT, bucket_mb: float) -> list[Contender]:
     contenders = []
     model = copy.deepcopy(base)
     contenders.append(Contender("ddp", DistributedDataParallel(model), adamw(model.parameters())))
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         model = copy.deepcopy(base)
         opt = ZeroOptimizer(adamw(model.parameters()), model, stage=stage, bucket_size_mb=bucket_mb)
         contenders.append(Contender(f"zero-{stage}", model, opt))
+    model = copy.deepcopy(base)  # stage 3 that keeps units gathered from forward to backward (2Ψ traffic)
+    opt = ZeroOptimizer(adamw(model.parameters()), model, stage=3, reshard_after_forward=False)
+    contenders.append(Contender("zero-3-keep", model, opt))
     if ZeroRedundancyOptimizer is not None:
         model = copy.deepcopy(base)
         opt = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4, weight_decay=0.1
         )
         contenders.append(Contender("zero-ro", DistributedDataParallel(model), opt))
+    if fully_shard is not None:
+        model = copy.deepcopy(base)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        contenders.append(Contender("fsdp2", model, adamw(model.parameters())))
     return contenders
 
 
@@ -128,28 +148,29 @@ def report(contenders: list[Contender]) -> tuple[list[dict], list[dict]]:
     """Rows of the results table and the pass/fail checks (ratios are to DDP's median)."""
     by_name = {c.name: c for c in contenders}
     ddp = by_name["ddp"].median_ms
-    targets = {"zero-1": f"<= {TOLERANCE:.2f}x DDP", "zero-2": f"<= {TOLERANCE:.2f}x DDP"}
     rows, checks = [], []
     for c in contenders:
         ratio = c.median_ms / ddp
         row = {"contender": c.name, "median_ms": c.median_ms, "iqr_ms": c.iqr_ms, "ratio_to_ddp": ratio}
-        row["target"] = targets.get(c.name)
-        if row["target"]:
-            row["passed"] = ratio <= TOLERANCE
-            checks.append({"check": f"{c.name} vs ddp", "ratio": ratio, "limit": TOLERANCE, "passed": row["passed"]})
+        limit = LIMITS.get(c.name)
+        row["target"] = f"<= {limit:.2f}x DDP" if limit else None
+        if limit:
+            row["passed"] = ratio <= limit
+            checks.append({"check": f"{c.name} vs ddp", "ratio": ratio, "limit": limit, "passed": row["passed"]})
         rows.append(row)
-    if "zero-ro" in by_name:
-        ratio = by_name["zero-1"].median_ms / by_name["zero-ro"].median_ms
-        checks.append({"check": "zero-1 vs zero-ro", "ratio": ratio, "limit": 1.0, "passed": ratio <= 1.0})
+    for ours, peer in (("zero-1", "zero-ro"), ("zero-3", "fsdp2")):
+        if peer in by_name:
+            ratio = by_name[ours].median_ms / by_name[peer].median_ms
+            checks.append({"check": f"{ours} vs {peer}", "ratio": ratio, "limit": 1.0, "passed": ratio <= 1.0})
     return rows, checks
 
 
 def print_table(rows: list[dict], checks: list[dict]) -> None:
-    print(f"\n{'contender':<10} {'median ms':>10} {'IQR ms':>7} {'x DDP':>7}  {'target':<14} result")
+    print(f"\n{'contender':<11} {'median ms':>10} {'IQR ms':>7} {'x DDP':>7}  {'target':<14} result")
     for r in rows:
         verdict = ("PASS" if r["passed"] else "FAIL") if r["target"] else "-"
         figures = f"{r['median_ms']:>10.2f} {r['iqr_ms']:>7.2f} {r['ratio_to_ddp']:>7.3f}"
-        print(f"{r['contender']:<10} {figures}  {r['target'] or '-':<14} {verdict}")
+        print(f"{r['contender']:<11} {figures}  {r['target'] or '-':<14} {verdict}")
     print("\nchecks:")
     for c in checks:
         verdict = "PASS" if c["passed"] else "FAIL"

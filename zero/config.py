@@ -60,7 +60,8 @@ class ZeroConfig(BaseModel):
     reshard_after_forward: bool = Field(
         True,
         description="Stage 3: free a unit's gathered parameters after its forward and gather them again for "
-        "its backward (3Ψ traffic per step); False keeps them until the unit's backward (2Ψ, more memory).",
+        "its backward (3Ψ traffic per step, less the root unit, which backward needs at once and is kept); "
+        "False keeps every unit until its backward (2Ψ, more memory).",
     )
     prefetch_units: int = Field(
         1,

@@ -2,11 +2,17 @@
 
 Life of one unit in a training step (``reshard_after_forward=True``)::
 
-    forward pre-hook   unshard (all-gather, unless prefetched), wait; prefetch the next unit(s)
-    forward hook       reshard; hook the outputs so that the first gradient reaching them ...
+    forward pre-hook   release the unit that ran before; unshard (all-gather, unless prefetched),
+                       wait; prefetch the next unit(s)
+    forward hook       mark for release (the root unit excepted); hook the outputs so that the
+                       first gradient reaching them ...
     pre-backward       ... unshards the unit again (and prefetches the next one in backward order)
     last param grad    reshard (its gradients go on to the reducer as at stage 2)
     end of backward    reshard whatever is still gathered (units with unused parameters)
+
+Releasing a unit after its forward waits until the next unit starts (the working set while a
+unit computes is the same), so the unit that runs last in forward, which backward needs
+first, goes straight into backward without being gathered again; so does the root unit.
 
 Prefetch follows the order in which units ran on the previous forward (backward) pass, so
 the first step gathers on demand. Every rank must run the same units in the same order
@@ -57,6 +63,9 @@ class Unit:
         self.handles: list[Handle] = []
         self.in_backward = False  # between its pre-backward and its last gradient
         self.num_grads = 0  # parameters whose gradient arrived in this backward pass
+        # The root unit's backward starts as soon as its forward ends, so it is never released in
+        # between (FSDP2 does the same): regathering it at once would only cost traffic.
+        self.is_root = spec.name == ""
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
@@ -81,6 +90,7 @@ class ParamGatherer:
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self._depth = 0  # units whose forward is running (nested)
+        self._finished: Unit | None = None  # ran its forward; released when the next unit starts
         self._forward_order: list[Unit] = []
         self._previous_forward: list[Unit] = []
         self._backward_order: list[Unit] = []
@@ -132,6 +142,7 @@ class ParamGatherer:
 
     def reshard_all(self) -> None:
         self._depth = 0  # also recovers from a forward interrupted by an error
+        self._finished = None
         for unit in self.units:
             self.reshard(unit)
             unit.in_backward = False
@@ -157,6 +168,7 @@ class ParamGatherer:
             if self._forward_order:
                 self._previous_forward = self._forward_order
             self._forward_order = []
+        self._release_finished(keep=unit)
         self._depth += 1
         self._forward_order.append(unit)
         self.wait(unit)
@@ -167,10 +179,18 @@ class ParamGatherer:
             return
         self._depth -= 1
         needs_grad = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
-        if needs_grad:
-            torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._pre_backward, unit), mode="any")
-        if not needs_grad or self.reshard_after_forward:
-            self.reshard(unit)
+        if not needs_grad:
+            self.reshard(unit)  # no backward will come
+            return
+        torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._pre_backward, unit), mode="any")
+        if self.reshard_after_forward and not unit.is_root:
+            self._release_finished(keep=unit)
+            self._finished = unit
+
+    def _release_finished(self, keep: Unit) -> None:
+        finished, self._finished = self._finished, None
+        if finished is not None and finished is not keep and not finished.in_backward:
+            self.reshard(finished)
 
     def _prefetch(self, order: list[Unit], previous: list[Unit]) -> None:
         """Start gathering the units that followed this one last time (if the order still matches)."""

@@ -1,0 +1,65 @@
+"""Rank 0 of 64 in torch's fake process group: a meta-built GPT-2-medium-sized model at stage 3.
+
+Run in its own process (``python -m tests.distributed.fake_scale``): it initializes the default
+process group. Prints one JSON line with the measured bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+WORLD_SIZE = 64
+
+
+def main() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
+    import zero
+    from zero.memory import live_tensor_bytes
+    from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=50304, seq_len=64, d_model=1024, num_layers=24, num_heads=16)
+    gc.collect()
+    baseline = live_tensor_bytes()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model, opt = zero.init_sharded(
+        lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), init_fn=init_gpt_weights
+    )
+    after_init = live_tensor_bytes() - baseline
+    init_s = time.perf_counter() - start
+    x, y = synthetic_batch(0, 1, cfg)
+    model.loss(x, y).backward()
+    opt.step()  # (the fake group moves no data, so the values are meaningless; the bytes are real)
+    del x, y
+    measured = live_tensor_bytes() - baseline
+    state = opt.model_state_bytes()
+    print(
+        json.dumps(
+            {
+                "numel": opt.partition.numel,
+                "padded_numel": opt.partition.padded_numel,
+                "unit_numel": {b.unit.name: b.layout.padded_numel for b in opt.buckets},
+                "num_layers": cfg.num_layers,
+                "world_size": WORLD_SIZE,
+                "measured": measured,
+                "after_init": after_init,
+                "held": state.total,
+                "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+                "comm_stats": opt.comm_stats,
+                "init_s": init_s,
+                "step_s": time.perf_counter() - start - init_s,
+            }
+        )
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""A 354M-parameter GPT at stage 3 as rank 0 of 64 (torch's fake process group), on CPU in seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero import zero_model_state_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def scale() -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.fake_scale"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_model_state_of_one_rank_of_64_is_16_psi_over_n(scale):
+    psi, n = scale["numel"], scale["world_size"]
+    assert psi >= 300_000_000
+    # Everything alive after a step is model state (plus the model's one small buffer) ...
+    assert scale["measured"] == scale["held"] + scale["buffers"]
+    # ... and that is the ZeRO-3 formula, 16Ψ/N, within 1% (padding and placeholders included).
+    assert scale["measured"] == pytest.approx(zero_model_state_bytes(psi, n, 3), rel=0.01)
+    # Built on meta: after initialization a rank holds only its parameter shard (4Ψ/N).
+    assert scale["after_init"] == pytest.approx(4 * psi / n, rel=0.01)
+
+
+def test_stage3_traffic_is_three_psi(scale):
+    """Forward and backward gathers plus the reduce-scatter; the root unit (embeddings, final norm)
+    and the last block stay gathered from forward into backward, which starts with them."""
+    stats, padded, units = scale["comm_stats"], scale["padded_numel"], scale["unit_numel"]
+    last_block = units[f"blocks.{scale['num_layers'] - 1}"]
+    assert stats["all_gather"]["numel"] == 2 * padded - units[""] - last_block
+    assert stats["reduce_scatter"]["numel"] == padded

@@ -1,0 +1,199 @@
+"""Stage 3 in one process: bit-identical to PyTorch, gathering behaviour, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zero
+from zero import ZeroOptimizer
+from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
+from zero.stages.gatherer import UnitState
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=4, num_heads=2)
+
+
+class CheckpointedGPT(GPT):
+    """GPT whose blocks recompute their activations in backward (non-reentrant checkpointing)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(self.positions[: idx.shape[1]])
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln_f(x))
+
+
+class Blocks(nn.Module):
+    """Runs its blocks in the order given per call: some not at all, some twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x).sum()
+
+
+def _flat(model, opt=None):
+    with opt.gathered_parameters() if opt is not None else torch.no_grad():
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def _train(build, run_step, stage3: bool, steps: int = 4, **overrides):
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if stage3:
+        opt = ZeroOptimizer(opt, model, stage=3, **overrides)
+    losses = []
+    for step in range(steps):
+        loss = run_step(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, _flat(model, opt if stage3 else None)
+
+
+def _gpt_step(model, step):
+    x, y = synthetic_batch(step, 4, CFG)
+    return model.loss(x, y)
+
+
+def test_activation_checkpointing_is_bit_identical():
+    build = lambda: CheckpointedGPT(CFG)  # noqa: E731
+    ref = _train(build, _gpt_step, stage3=False)
+    for overrides in ({}, {"reshard_after_forward": False}):
+        ours = _train(build, _gpt_step, stage3=True, **overrides)
+        assert ours[0] == ref[0]
+        assert torch.equal(ours[1], ref[1])
+
+
+def test_units_skipped_or_called_twice_are_bit_identical():
+    orders = [[0, 1, 2], [0, 0, 2], [2], [1, 1, 1, 0]]  # block 1 unused on steps 1-2; units repeat
+    run = lambda model, step: model(torch.linspace(-1, 1, 32).view(4, 8), orders[step])  # noqa: E731
+    ref = _train(Blocks, run, stage3=False)
+    ours = _train(Blocks, run, stage3=True)
+    assert ours[0] == ref[0]
+    assert torch.equal(ours[1], ref[1])
+
+
+def _gathered_while_blocks_run(prefetch: int) -> tuple[list[int], list[UnitState]]:
+    """Train two steps; on the second, record how many units are gathered when each block starts,
+    and the state of block 1 when block 0 starts."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3, prefetch_units=prefetch)
+    units = opt._gatherer.units
+    block1 = next(u for u in units if u.name == "blocks.1")
+    counts, next_state = [], []
+
+    def watch(module, args):
+        counts.append(sum(u.state is not UnitState.SHARDED for u in units))
+        if module is model.blocks[0]:
+            next_state.append(block1.state)
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(watch)  # runs after ZeroOptimizer's own pre-hook
+    for step in range(2):
+        counts.clear()
+        next_state.clear()
+        _gpt_step(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return counts, next_state
+
+
+def test_prefetch_gathers_the_next_unit_and_bounds_the_working_set():
+    counts, next_state = _gathered_while_blocks_run(prefetch=1)
+    assert next_state == [UnitState.GATHERING]  # launched while block 0 runs, waited for when block 1 starts
+    assert max(counts) == 3  # the root unit, the running block and the prefetched one
+    counts, next_state = _gathered_while_blocks_run(prefetch=0)
+    assert next_state == [UnitState.SHARDED]
+    assert max(counts) == 2
+
+
+def test_stage3_releases_everything_between_steps():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3)
+    _gpt_step(model, 0).backward()
+    assert not any(b.param_buffer.is_allocated for b in opt.buckets)
+    opt.step()
+    assert not any(b.param_buffer.is_allocated for b in opt.buckets)
+
+
+# ----- errors ---------------------------------------------------------------------------------------
+
+
+def test_wrap_policy_that_matches_nothing():
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match=r"unit_classes=\['Blok'\] matches no module.*Block"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, unit_classes=["Blok"])
+
+
+def test_one_unit_policy_at_a_time():
+    with pytest.raises(ValueError, match="either unit_classes or unit_size_mb"):
+        zero.ZeroConfig(stage=3, unit_classes=["Block"], unit_size_mb=1.0)
+
+
+def test_parameter_used_outside_forward_names_it_and_the_fix():
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)
+    with pytest.raises(RuntimeError, match=r"'wte\.weight' is sharded.*gathered_parameters"):
+        model.wte.weight.sum()
+    with pytest.raises(RuntimeError, match=r"'wte\.weight' is sharded"):  # a submodule of the root unit, alone
+        model.wte(torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="is sharded"):
+        model.state_dict()
+    assert model.wte.weight.shape == (CFG.vocab_size, CFG.d_model)  # metadata stays readable
+    assert "sharded" in repr(model.wte.weight)
+    with opt.gathered_parameters(model.wte):
+        assert torch.isfinite(model.wte.weight.sum())
+
+
+def test_gathered_parameters_edits_are_written_back():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)
+    with opt.gathered_parameters(model.ln_f), torch.no_grad():
+        model.ln_f.weight.fill_(3.0)
+    with opt.gathered_parameters():
+        assert torch.all(model.ln_f.weight == 3.0)
+    with pytest.raises(ValueError, match="does not manage"):
+        with opt.gathered_parameters(nn.Linear(2, 2)):
+            pass
+
+
+def test_meta_models_need_stage3():
+    with torch.device("meta"):
+        model = GPT(CFG)
+    with pytest.raises(ValueError, match="meta device; only stage 3"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=2)
+
+
+def test_init_fn_only_for_meta_models():
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="init_fn is used only"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, init_fn=init_gpt_weights)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))  # created in __init__, no reset_parameters()
+
+
+def test_meta_parameter_without_an_initializer():
+    with pytest.raises(ValueError, match=r"Scaled holds parameters \['gain'\] but has no reset_parameters"):
+        zero.init_sharded(Scaled, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_meta_buffer_nobody_sets():
+    with pytest.raises(ValueError, match="buffer 'positions' was built on the meta device"):
+        zero.init_sharded(lambda: GPT(CFG), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
