@@ -98,6 +98,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ZeroOptimizer bucket_size_mb")
+    p.add_argument("--prefetch-units", type=int, default=1, help="ZeroConfig.prefetch_units (stage 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", type=str, default=None, help="write results and config to this file")
     return p.parse_args()
@@ -107,16 +108,18 @@ def adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1)
 
 
-def build_contenders(base: GPT, bucket_mb: float) -> list[Contender]:
+def build_contenders(base: GPT, bucket_mb: float, prefetch: int) -> list[Contender]:
     contenders = []
     model = copy.deepcopy(base)
     contenders.append(Contender("ddp", DistributedDataParallel(model), adamw(model.parameters())))
     for stage in (0, 1, 2, 3):
         model = copy.deepcopy(base)
-        opt = ZeroOptimizer(adamw(model.parameters()), model, stage=stage, bucket_size_mb=bucket_mb)
+        opt = ZeroOptimizer(
+            adamw(model.parameters()), model, stage=stage, bucket_size_mb=bucket_mb, prefetch_units=prefetch
+        )
         contenders.append(Contender(f"zero-{stage}", model, opt))
     model = copy.deepcopy(base)  # stage 3 that keeps units gathered from forward to backward (2Ψ traffic)
-    opt = ZeroOptimizer(adamw(model.parameters()), model, stage=3, reshard_after_forward=False)
+    opt = ZeroOptimizer(adamw(model.parameters()), model, stage=3, reshard_after_forward=False, prefetch_units=prefetch)
     contenders.append(Contender("zero-3-keep", model, opt))
     if ZeroRedundancyOptimizer is not None:
         model = copy.deepcopy(base)
@@ -187,7 +190,7 @@ def main() -> None:
     cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
     torch.manual_seed(0)
     base = GPT(cfg)
-    contenders = build_contenders(base, args.bucket_mb)
+    contenders = build_contenders(base, args.bucket_mb, args.prefetch_units)
     n_params = sum(p.numel() for p in base.parameters())
     log(f"world {world}, {n_params / 1e6:.2f}M params, {cfg}, global batch {args.batch}, "
         f"{args.threads} thread(s)/rank, contenders: {', '.join(c.name for c in contenders)}")

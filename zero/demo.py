@@ -26,7 +26,7 @@ from zero.optimizer import ZeroOptimizer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to launch (default 2)")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -113,5 +113,5 @@ def _memory_report(memory: dict, numel: int, world: int) -> str:
                 f"{stage:>5} {rank:>4} {m.parameters / mib:>8.2f} {m.gradients / mib:>8.2f} "
                 f"{m.optimizer_state / mib:>8.2f} {m.total / mib:>8.2f} {formula / mib:>8.2f} {m.total / formula:>6.3f}"
             )
-    lines.append("formula (fp32 Adam): stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N; ratio > 1 is padding")
+    lines.append("formula (fp32 Adam): stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 16Ψ/N; ratio > 1 is padding")
     return "\n".join(lines)

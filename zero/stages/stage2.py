@@ -1,11 +1,16 @@
 """Stage 2: also shard the gradients.
 
 A bucket's full-size ``grad_buffer`` exists only while that bucket is being reduced:
-the gradient hook copies each finished ``p.grad`` into it and drops ``p.grad``; once
-all of the bucket's gradients are in, it is reduce-scattered in place, this rank's
-chunk (already averaged) is added into the persistent ``grad_shard`` (``1/N`` of the
-bucket), and the full buffer's storage is released. At most
-``ZeroConfig.max_in_flight_buckets`` buffers are alive at once during backward.
+gradients stay in ``p.grad`` (allocated by autograd as they arrive) until all of the
+bucket's gradients are in; then they are copied into a fresh ``grad_buffer`` and each
+``p.grad`` is dropped, the buffer is reduce-scattered in place, this rank's chunk
+(already averaged) is added into the persistent ``grad_shard`` (``1/N`` of the bucket),
+and the full buffer's storage is released. At most ``ZeroConfig.max_in_flight_buckets``
+buffers are alive at once during backward.
+
+Note: filling the buffer at launch rather than as each gradient arrives matters for the
+peak. The first gradient of a bucket arrives when backward has just reached its layers
+and their activations are all alive; by the time the last one arrives most have been freed.
 
 Inside ``no_sync()`` the hooks do nothing, so gradients accumulate whole in ``p.grad``
 (as with DDP and FSDP) until the next synchronized backward reduces them.
@@ -14,6 +19,7 @@ Inside ``no_sync()`` the hooks do nothing, so gradients accumulate whole in ``p.
 from __future__ import annotations
 
 from zero.bucket import Bucket, ParamSlot
+from zero.comm import Communicator, Handle
 from zero.flat_buffer import FlatBuffer
 from zero.stages.stage1 import Stage1
 
@@ -29,17 +35,20 @@ class Stage2(Stage1):
         bucket.grad_shard = bucket.grad_shard_buffer.data
 
     def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
-        """Move the slot's gradient into the (transient) bucket buffer and release ``p.grad``."""
-        assert bucket.grad_buffer is not None
-        if not bucket.grad_buffer.is_allocated:
-            self._allocate_staging(bucket)
-        view = bucket.grad_view(slot)
-        grad = slot.param.grad
-        if grad is None:
-            view.zero_()
-        else:
-            view.copy_(grad)
-        slot.param.grad = None
+        """Nothing yet: the gradient waits in ``p.grad`` until the bucket is launched."""
+
+    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+        """Move the bucket's gradients into a fresh staging buffer, release each ``p.grad``, reduce."""
+        self._allocate_staging(bucket)
+        for slot in bucket.slots:
+            view = bucket.grad_view(slot)
+            grad = slot.param.grad
+            if grad is None:  # no gradient on this rank (possibly on others)
+                view.zero_()
+            else:
+                view.copy_(grad)
+            slot.param.grad = None
+        return super().launch_reduce(bucket, comm)
 
     @staticmethod
     def _allocate_staging(bucket: Bucket) -> None:
