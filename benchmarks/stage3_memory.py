@@ -117,8 +117,6 @@ def measure(kind: str, base: GPT, cfg: GPTConfig, batch: int, in_use, zero_confi
     step(2)
     figures = torch.tensor([rest, sampler.peak - baseline], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    del model, opt
-    gc.collect()
     return {
         "contender": kind,
         "rest_mb": figures[0].item() / 2**20,
