@@ -12,6 +12,9 @@ what was in use before the contender was built, and are per rank (max over ranks
 * ``peak``  the largest sample during a step; ``peak - rest`` is the step's working set
   (gathered units, activations, communication buffers, temporaries)
 
+Each contender is measured twice, alternately; the first pass in the process also carries
+one-time allocations (gloo, thread pools), so the verdict uses each contender's lower peak.
+
 Target (issue 3): our peak <= FSDP2's.
 
 Run (CPU, gloo, Linux/glibc)::

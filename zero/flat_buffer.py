@@ -43,6 +43,12 @@ class FlatBuffer:
         """Release the storage's bytes; views stay attached to the (empty) storage."""
         self.data.untyped_storage().resize_(0)
 
+    def disown(self) -> None:
+        """Leave the current storage, and every view of it, to whoever still holds them, and start
+        over with a new, unallocated storage (views must be made again)."""
+        self.data = torch.empty(self.numel, dtype=self.dtype, device=self.data.device)
+        self.free()
+
     def view(self, start: int, numel: int, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:
         """A view of ``numel`` elements from ``start``, optionally reshaped (create views while allocated;
         they stay attached across ``free()`` / ``allocate()``)."""

@@ -16,11 +16,18 @@ Step 2 needs the values of step 1, which were already dropped: each module's val
 recomputed by restoring the random generator to the state it had when step 1 ran that
 module's ``reset_parameters()``, so the generator's stream is exactly the normal one.
 Buffers are not sharded; a buffer that neither ``reset_parameters()`` nor ``init_fn`` sets
-(e.g. a ``torch.arange`` made in ``__init__``) raises an error naming it.
+(e.g. a ``torch.arange`` made in ``__init__``) raises an error naming it, and so does a
+parameter that neither sets.
+
+Limits: a parameter tied between modules that both initialize it needs an ``init_fn`` that
+sets it (which module's value survives depends on how ``__init__`` ties them: nanoGPT's
+``wte.weight = lm_head.weight`` keeps the later one), and a module whose ``__init__`` calls
+its own ``reset_parameters()`` only after building its children is replayed before them.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -63,13 +70,21 @@ def materialize(
     Parameters in ``slots`` are sharded (their chunks go into their bucket's shard); other
     targets (frozen parameters) are kept whole.
     """
-    _materialize_buffers(model, device)
+    fresh_buffers = _materialize_buffers(model, device)
     first_owner = _first_owners(model, targets)
+    names: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, name)
+    if init_fn is None:
+        _refuse_ambiguous_ties(model, targets, names)
     states: dict[nn.Module, torch.Tensor] = {}
+    store = partial(_store, slots=slots, names=names)
     with torch.no_grad():
         for module in _construction_order(model):
             own = _owned(module, first_owner)
             if not _direct(module, targets):
+                if hasattr(module, "reset_parameters") and module in fresh_buffers:
+                    module.reset_parameters()  # buffers only (BatchNorm without affine): no random draws
                 continue
             if not hasattr(module, "reset_parameters"):
                 if init_fn is None:
@@ -84,13 +99,28 @@ def materialize(
             values = _reset(module, targets, first_owner, slots, device)
             if init_fn is None:
                 for p in own:
-                    _store(p, values[p], slots)
+                    store(p, values[p])
         if init_fn is not None:
-            _apply_init(model, targets, first_owner, states, init_fn, slots, device)
-    _check_buffers(model)
+            _apply_init(model, targets, first_owner, states, init_fn, slots, store, device)
+    _check_buffers(model, fresh_buffers)
 
 
-def _apply_init(model, targets, first_owner, states, init_fn, slots, device) -> None:
+def _refuse_ambiguous_ties(model: nn.Module, targets: set, names: dict) -> None:
+    for p in targets:
+        owners = [
+            m for m in _construction_order(model)
+            if any(q is p for q in _direct(m, targets)) and hasattr(m, "reset_parameters")
+        ]
+        if len(owners) > 1:
+            kinds = " and ".join(type(m).__name__ for m in owners)
+            raise ValueError(
+                f"parameter {names[p]!r} is tied between modules ({kinds}) that each initialize it in "
+                "reset_parameters(); which value a normal build keeps depends on how __init__ ties them. "
+                "Pass init_fn= that initializes it (as GPT-2-style _init_weights functions do)."
+            )
+
+
+def _apply_init(model, targets, first_owner, states, init_fn, slots, store, device) -> None:
     """Step 2: ``init_fn`` children first; values from step 1 recomputed per module."""
     order = list(_apply_order(model))
     visits: dict[nn.Parameter, int] = {}
@@ -110,7 +140,7 @@ def _apply_init(model, targets, first_owner, states, init_fn, slots, device) -> 
             current[p] = p.detach()
             visits[p] -= 1
             if visits[p] == 0:
-                _store(p, current.pop(p), slots)
+                store(p, current.pop(p))
 
 
 def _recompute(owner, targets, first_owner, states, slots, device) -> dict[nn.Parameter, torch.Tensor]:
@@ -150,8 +180,13 @@ def _release(p: nn.Parameter, slots: dict[nn.Parameter, ParamSlot]) -> None:
         set_data(p, slots[p].placeholder, sharded=True)
 
 
-def _store(p: nn.Parameter, value: torch.Tensor, slots: dict[nn.Parameter, ParamSlot]) -> None:
+def _store(p: nn.Parameter, value: torch.Tensor, slots: dict[nn.Parameter, ParamSlot], names: dict) -> None:
     """``p``'s final value: this rank's pieces go into its shard; a frozen parameter is kept whole."""
+    if value.is_floating_point() and bool(torch.isnan(value).any()):
+        raise ValueError(
+            f"parameter {names[p]!r} was built on the meta device and neither its module's reset_parameters() "
+            "nor init_fn set (all of) it. Initialize it in init_fn (or give its module a reset_parameters())."
+        )
     slot = slots.get(p)
     if slot is None:
         p.data = value
@@ -196,18 +231,22 @@ def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
+def _materialize_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, list[torch.Tensor]]:
     """Give meta buffers storage, filled with a marker that ``_check_buffers`` looks for."""
+    fresh: dict[nn.Module, list[torch.Tensor]] = {}
     for module in model.modules():
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.full(b.shape, _marker(b.dtype), dtype=b.dtype, device=device)
+                fresh.setdefault(module, []).append(module._buffers[name])
+    return fresh
 
 
-def _check_buffers(model: nn.Module) -> None:
+def _check_buffers(model: nn.Module, fresh: dict[nn.Module, list[torch.Tensor]]) -> None:
+    ours = {id(b) for buffers in fresh.values() for b in buffers}
     for name, b in model.named_buffers():
-        unset = b.is_meta or (b.numel() > 0 and b.dtype != torch.bool and _is_marker(b))
-        if unset:
+        untouched = id(b) in ours and (b.dtype == torch.bool or (b.numel() > 0 and _is_marker(b)))
+        if b.is_meta or untouched:
             raise ValueError(
                 f"buffer {name!r} was built on the meta device and neither reset_parameters() nor init_fn set it "
                 "(its value from __init__ cannot be recovered). Set it in init_fn, e.g. "

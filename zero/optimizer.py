@@ -228,14 +228,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Inside the block the parameters of ``targets`` (modules, parameters, or ``None`` for
         the whole model) are whole on every rank; ``model.state_dict()`` and
-        ``model.load_state_dict()`` work on them. On exit, edits are written back to each
-        rank's shard. With ``modifier_rank=r`` rank ``r``'s values are first broadcast to
+        ``model.load_state_dict()`` work on them, and tensors taken from them inside (a
+        ``state_dict()``) keep their values after the block, as a snapshot. On exit, edits
+        are written back to each rank's shard. With ``modifier_rank=r`` rank ``r``'s values are first broadcast to
         every rank (edit on one rank only); with ``None`` every rank must make the same edits.
         Call it on every rank, with the same targets, outside forward and backward. At stages
         0-2 parameters are always whole and only ``modifier_rank`` has an effect.
         """
-        if self._reducer.state is not RoundState.IDLE:
-            raise ValueError("gathered_parameters() cannot be used inside a backward pass")
+        if self._reducer.state is not RoundState.IDLE or (self._gatherer is not None and self._gatherer.in_forward):
+            raise ValueError("gathered_parameters() cannot be used inside forward or backward")
         buckets = self._buckets_of(targets)
         units = self._gatherer.units_of(s.param for b in buckets for s in b.slots) if self._gatherer else []
         for unit in units:
@@ -253,6 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for unit in units:
                     for bucket in unit.buckets:
                         self.zero_stage.write_back(bucket)
+                        self.zero_stage.hand_over(bucket)
                     self._gatherer.reshard(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

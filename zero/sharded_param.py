@@ -24,7 +24,7 @@ _METADATA = frozenset(
         "is_sparse", "is_quantized", "is_nested", "grad_fn", "_grad_fn", "_base", "names", "size", "dim",
         "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__hash__", "requires_grad_",
         "register_hook", "register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks", "_backward_hooks",
-        "__len__", "get_device", "_is_view", "__format__",
+        "__len__", "get_device", "_is_view", "nbytes", "itemsize", "type", "is_pinned",
     }
 )
 
@@ -39,14 +39,21 @@ def _name_of(func) -> str:
 class ZeroParameter(nn.Parameter):
     """A parameter managed by a stage-3 :class:`~zero.ZeroOptimizer` (see the module docstring)."""
 
-    _zero_name: str
-    _zero_sharded: bool
+    _zero_name: str = "?"
+    _zero_sharded: bool = False
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(
+            f"zero: cannot deep-copy parameter {self._zero_name!r}: it is managed by a stage-3 ZeroOptimizer "
+            "(a copy would share its hooks and hold no values of its own). For a copy of the model (e.g. an "
+            "EMA), build a new one and load `model.state_dict()` taken inside `opt.gathered_parameters()`."
+        )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.__repr__ and args[0]._zero_sharded:  # say what it is; never crash a debugger
-            p = args[0]
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__) and args[0]._zero_sharded:
+            p = args[0]  # say what it is (never the placeholder's values, never an error in a debugger)
             return f"ZeroParameter({p._zero_name!r}, shape={tuple(p.shape)}, dtype={p.dtype}, sharded)"
         for arg in (*args, *kwargs.values()):
             if isinstance(arg, (list, tuple)):

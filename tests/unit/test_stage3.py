@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -195,5 +198,119 @@ def test_meta_parameter_without_an_initializer():
 
 
 def test_meta_buffer_nobody_sets():
+    untied = GPTConfig(**{**CFG.__dict__, "tie_embeddings": False})
     with pytest.raises(ValueError, match="buffer 'positions' was built on the meta device"):
+        zero.init_sharded(lambda: GPT(untied), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_meta_tied_parameter_needs_init_fn():
+    with pytest.raises(ValueError, match=r"'wte\.weight' is tied between modules \(Embedding and Linear\)"):
         zero.init_sharded(lambda: GPT(CFG), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+class NormNoInit(nn.Module):
+    """nanoGPT-style: a LayerNorm-like module with no reset_parameters(), left alone by init_fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.weight = nn.Parameter(torch.ones(4))
+
+
+def test_meta_parameter_left_unset_by_init_fn():
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    with pytest.raises(ValueError, match="parameter 'weight' was built on the meta device and neither"):
+        zero.init_sharded(NormNoInit, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), init_fn=init_fn)
+
+
+def test_meta_batchnorm_without_affine_is_initialized():
+    build = lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False))  # noqa: E731
+    torch.manual_seed(3)
+    normal = build()
+    torch.manual_seed(3)
+    model, opt = zero.init_sharded(build, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    assert torch.equal(model[1].running_var, normal[1].running_var)
+    assert torch.equal(_flat(model, opt), _flat(normal))
+
+
+def test_guard_details():
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)
+    p = model.wte.weight
+    assert f"{p}".startswith("ZeroParameter('wte.weight'")  # never the placeholder's values
+    assert p.nbytes == p.numel() * 4 and sum(q.numel() for q in model.parameters()) > 0
+    with pytest.raises(RuntimeError, match="cannot deep-copy parameter '.*'.*gathered_parameters"):
+        copy.deepcopy(model)
+    with opt.gathered_parameters():
+        state = model.state_dict()
+    assert torch.isfinite(state["wte.weight"]).all()  # a snapshot that outlives the block
+    expected = state["wte.weight"].clone()
+    _gpt_step(model, 0).backward()
+    opt.step()  # the next gathers go to new storage: the snapshot is not overwritten
+    _gpt_step(model, 1)
+    assert torch.equal(state["wte.weight"], expected)
+
+
+def test_backward_interrupted_by_an_error_leaves_no_stale_state():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)
+    x, y = synthetic_batch(0, 4, CFG)
+    logits = model(x)
+    logits.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("skip this batch")))
+    with pytest.raises(RuntimeError, match="skip this batch"):
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    opt.zero_grad()
+    for _ in range(2):  # accumulation over two micro-batches, then a step
+        with opt.no_sync():
+            model.loss(x, y).backward()
+        assert not any(b.param_buffer.is_allocated for b in opt.buckets)
+    model.loss(x, y).backward()
+    assert not any(b.param_buffer.is_allocated for b in opt.buckets)
+    opt.step()
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Out(torch.tanh(self.lin(x)))
+
+
+class Opaque:
+    def __init__(self, t):
+        self.t = t
+
+
+class OpaqueBlock(DataclassBlock):
+    def forward(self, x):
+        return Opaque(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("block", [DataclassBlock, OpaqueBlock])
+def test_unit_outputs_in_dataclasses_or_opaque_objects(block):
+    def build():
+        m = nn.Module()
+        m.blocks = nn.ModuleList(block() for _ in range(2))
+        return m
+
+    def run(model, step):
+        x = torch.linspace(-1, 1, 16).view(2, 8) * (step + 1)
+        for b in model.blocks:
+            out = b(x)
+            x = out.hidden if isinstance(out, Out) else out.t
+        return x.pow(2).sum()
+
+    ref = _train(build, run, stage3=False)
+    ours = _train(build, run, stage3=True)
+    assert ours[0] == ref[0] and torch.equal(ours[1], ref[1])

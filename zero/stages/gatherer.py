@@ -21,13 +21,20 @@ that the reducer compares across ranks at the end of each backward, so a model w
 ranks take different paths fails with an error naming the problem rather than training
 on mismatched parameters.
 
-Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward.
-Inside a unit's backward its forward may run again (activation checkpointing): the unit
-is already gathered and stays so.
+Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward,
+and every unit when the root's forward ends. During backward a unit's forward may run again
+(activation checkpointing): it is gathered if needed and left to backward to release. A
+forward or backward interrupted by an error leaves no stale state: the next pass starts clean.
+A unit whose output is an object this module cannot look into (neither tensors nor
+tuples, lists, dicts or dataclasses of them) stays gathered until its backward ends.
+
+Not supported at stage 3: double backward (``create_graph=True``), whose second pass needs
+parameters the first one already released.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from functools import partial
 from typing import Any, Iterable
@@ -96,6 +103,7 @@ class ParamGatherer:
         self._backward_order: list[Unit] = []
         self._previous_backward: list[Unit] = []
         self._in_backward_pass = False
+        self._backward_task: int | None = None  # autograd graph task of the current backward pass
         self._fingerprint = 0
         self._hooks = []
         for unit in self.units:
@@ -141,12 +149,19 @@ class ParamGatherer:
         unit.state = UnitState.SHARDED
 
     def reshard_all(self) -> None:
-        self._depth = 0  # also recovers from a forward interrupted by an error
+        """Release every unit and forget any pass in progress (also after one interrupted by an error)."""
+        self._depth = 0
         self._finished = None
+        self._in_backward_pass = False
+        self._backward_task = None
         for unit in self.units:
             self.reshard(unit)
             unit.in_backward = False
             unit.num_grads = 0
+
+    @property
+    def in_forward(self) -> bool:
+        return self._depth > 0
 
     def units_of(self, params: Iterable[nn.Parameter]) -> list[Unit]:
         """The units holding any of ``params``, in unit order."""
@@ -161,9 +176,11 @@ class ParamGatherer:
     # ----- forward ----------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        if unit.in_backward:  # recomputation (activation checkpointing) inside the unit's backward
+        if _in_backward():  # recomputation (activation checkpointing): backward releases it
             self.wait(unit)
             return
+        if unit.is_root:
+            self._depth = 0  # (a forward interrupted by an error never came back out)
         if self._depth == 0:  # a new forward pass starts
             if self._forward_order:
                 self._previous_forward = self._forward_order
@@ -175,12 +192,22 @@ class ParamGatherer:
         self._prefetch(self._forward_order, self._previous_forward)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        if unit.in_backward:
+        if _in_backward():
             return
-        self._depth -= 1
-        needs_grad = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        self._depth = max(0, self._depth - 1)
+        if not torch.is_grad_enabled():  # no backward will come
+            self.reshard(unit)
+            if unit.is_root:  # also units prefetched but not used
+                for other in self.units:
+                    if not other.in_backward:
+                        self.reshard(other)
+            return
+        tensors = _tensors(output)
+        if tensors is None:  # cannot see the outputs, so cannot hook them: keep it for backward
+            return
+        needs_grad = [t for t in tensors if t.requires_grad]
         if not needs_grad:
-            self.reshard(unit)  # no backward will come
+            self.reshard(unit)
             return
         torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._pre_backward, unit), mode="any")
         if self.reshard_after_forward and not unit.is_root:
@@ -203,7 +230,12 @@ class ParamGatherer:
     # ----- backward ---------------------------------------------------------------------------------
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
-        if not self._in_backward_pass:
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:  # the first hook of a new backward pass
+            if self._in_backward_pass:  # the previous one was interrupted by an error
+                self._previous_backward, self._backward_order = self._backward_order, []
+                self.reshard_all()
+            self._backward_task = task
             self._in_backward_pass = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.in_backward:
@@ -230,15 +262,27 @@ class ParamGatherer:
     def _end_backward(self) -> None:
         self.reshard_all()
         self._previous_backward, self._backward_order = self._backward_order, []
-        self._in_backward_pass = False
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """Tensors in a module's output (tensors, tuples, lists, dicts and dict-like model outputs)."""
+def _in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(output: Any) -> list[torch.Tensor] | None:
+    """Tensors in a module's output: tensors, and tuples, lists, dicts (model outputs included)
+    and dataclasses of them. ``None`` if it holds an object of another kind (it may hide tensors)."""
     if isinstance(output, torch.Tensor):
         return [output]
+    if output is None or isinstance(output, (int, float, bool, str)):
+        return []
     if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
+        items = list(output)
+    elif isinstance(output, dict):
+        items = list(output.values())
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    else:
+        return None
+    found = [_tensors(item) for item in items]
+    return None if any(f is None for f in found) else [t for f in found for t in f]

@@ -138,15 +138,16 @@ class GradReducer:
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
         self.state = RoundState.IDLE
-        self.has_reduced = True
         self.has_unreduced_local = False
         if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
+            self.has_reduced = False  # step() must not use these gradients
             raise RuntimeError(
                 "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
                 "their control flow diverged (e.g. a branch or loop count that depends on each rank's data), so "
                 "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
                 "every rank run the same modules in the same order."
             )
+        self.has_reduced = True
 
     def reset(self) -> None:
         """Forget gradients (after ``zero_grad(set_to_none=True)``)."""

@@ -67,6 +67,16 @@ class Stage3(Stage2):
         with torch.no_grad():
             bucket.shard.copy_(bucket.chunk_of(bucket.param_buffer))
 
+    def hand_over(self, bucket: Bucket) -> None:
+        """Let tensors taken from the gathered parameters (e.g. a ``state_dict()``) keep their values:
+        the bucket gathers into a new storage from now on and the old one lives as long as they do."""
+        for slot in bucket.slots:
+            set_data(slot.param, slot.placeholder, sharded=True)
+        bucket.param_buffer.disown()
+        bucket.param_buffer.allocate(zero=False)  # untouched: only to make the views
+        bucket.make_views()
+        bucket.param_buffer.free()
+
     def reshard(self, bucket: Bucket) -> None:
         """Release ``param_buffer`` and point each parameter at its placeholder."""
         for slot in bucket.slots:
