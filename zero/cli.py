@@ -1,4 +1,4 @@
-"""Command line: ``zero demo`` (also ``python -m zero demo``)."""
+"""Command line: ``zero demo`` and ``zero estimate`` (also ``python -m zero ...``)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,22 @@ import argparse
 import sys
 
 from zero import demo
+from zero.profiler import estimate_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero", description="ZeRO data parallelism for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
-        "demo", help="train a small GPT on CPU ranks at stages 0-2 and print losses and per-rank memory"
+        "demo", help="train a small GPT on CPU ranks at stages 0-3 and print losses and per-rank memory"
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.main)
+    estimate_parser = commands.add_parser(
+        "estimate", help="per-rank peak memory of a GPT for every stage/offload/checkpointing/micro-batch; what fits"
+    )
+    estimate_cli.add_arguments(estimate_parser)
+    estimate_parser.set_defaults(run=estimate_cli.main)
     return parser
 
 

@@ -1,0 +1,333 @@
+"""Pre-flight memory estimates: per-rank bytes for a model at any stage, world size and batch.
+
+Nothing is allocated: the model is built and run once under ``FakeTensorMode`` (tensors
+with shapes, dtypes and a device but no data, and the same kernel choices as the real
+device's), which gives the exact parameter count, the sizes of stage 3's units and the
+bytes autograd saves for backward. The ZeRO formulas take over where tracing cannot reach
+(sharding, optimizer state, precision, offload).
+
+The peak of a training step is taken at the start of backward, when every saved
+activation is still alive:
+
+* model states: parameters, gradients, optimizer state (incl. fp32 master weights), as
+  sharded by the stage; stages 0-1 keep gradient buckets allocated, stages 2-3 release
+  them at ``zero_grad()``, so none exist yet when backward starts;
+* activations: saved-for-backward bytes of one micro-batch (with activation
+  checkpointing: each unit's inputs, plus the largest unit's own activations, recomputed);
+* gathered parameters (stage 3): the root unit, the last unit and the prefetched one;
+* the loss gradient with respect to the model's output (the first buffer backward makes).
+
+Not yet checked against measured peaks (the tracker of issue 4 comes next); the model-state
+column is the ZeRO paper's and is tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zero.units import plan_units
+
+GiB = 2**30
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model-state kind (Adam: ``optimizer`` is m and v)."""
+
+    name: str
+    param: int
+    grad: int
+    master: int  # fp32 master copy kept by mixed precision
+    optimizer: int
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", param=4, grad=4, master=0, optimizer=8),
+    "mixed": Precision("mixed", param=2, grad=2, master=4, optimizer=8),  # K = 12 in the ZeRO paper
+}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    parameters: float
+    gradients: float
+    optimizer_state: float  # master weights included
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def model_states(numel: int, world_size: int, stage: int, precision: str = "fp32") -> ModelStates:
+    """The ZeRO paper's per-rank model-state bytes (Ψ = ``numel``, N = ``world_size``)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    prec = _precision(precision)
+    n = world_size
+    p, g, k = prec.param * numel, prec.grad * numel, (prec.master + prec.optimizer) * numel
+    sharded = {0: (p, g, k), 1: (p, g, k / n), 2: (p, g / n, k / n), 3: (p / n, g / n, k / n)}[stage]
+    return ModelStates(*map(float, sharded))
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one fake forward found (for one micro-batch)."""
+
+    numel: int
+    unit_numels: dict[str, int]  # stage 3's default units ("" is the root unit)
+    activation_bytes: int  # saved for backward, parameters excluded
+    unit_activation_bytes: dict[str, int]  # saved while each unit's forward ran (outermost first)
+    unit_input_bytes: dict[str, int]  # what activation checkpointing keeps per unit
+    output_bytes: int  # the forward's output (its gradient is backward's first buffer)
+
+
+def trace(build_fn: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Trace:
+    """Build the model and run ``loss_fn(model, *batch)`` on fake tensors (no memory is used).
+
+    ``batch`` holds real tensors or shapes' worth of example inputs; they are faked too.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            model = build_fn()
+            fake_batch = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
+            return _trace_fake(model, loss_fn, fake_batch)
+    except Exception as err:  # a model or loss that cannot run without data
+        raise ValueError(
+            f"could not trace the model on fake tensors ({type(err).__name__}: {err}). Estimation runs the "
+            "forward without data: data-dependent control flow (e.g. .item(), .tolist(), nonzero()) is not "
+            "supported; pass a loss_fn whose forward depends only on shapes."
+        ) from err
+
+
+def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
+    params = list(model.parameters())
+    param_storages = {p.untyped_storage()._cdata for p in params}
+    units = plan_units(model, [p for p in params if p.requires_grad], unit_classes=None, unit_size_bytes=None)
+    unit_of_module = {id(u.module): u.name for u in units}
+    saved: dict[int, int] = {}
+    per_unit: dict[str, int] = {u.name: 0 for u in units}
+    inputs: dict[str, int] = {u.name: 0 for u in units}
+    stack = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in param_storages and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+            per_unit[stack[-1]] += saved[key]
+        return t
+
+    outputs: list[int] = []
+    hooks = [model.register_forward_hook(_record_output(outputs))]
+    for unit in units:
+        if unit.name:
+            hooks.append(unit.module.register_forward_pre_hook(_enter(stack, inputs, unit.name)))
+            hooks.append(unit.module.register_forward_hook(_leave(stack)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(model, *batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if loss.grad_fn is None:
+        raise ValueError("loss_fn returned a tensor with no gradient: nothing to train")
+    return Trace(
+        numel=sum(p.numel() for p in params if p.requires_grad),
+        unit_numels={u.name: sum(p.numel() for p in u.params) for u in units},
+        activation_bytes=sum(saved.values()),
+        unit_activation_bytes=per_unit,
+        unit_input_bytes=inputs,
+        output_bytes=max(outputs, default=0),
+    )
+
+
+def _enter(stack: list[str], inputs: dict[str, int], name: str):
+    def enter(module: nn.Module, args: Any) -> None:
+        stack.append(name)
+        inputs[name] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+    return enter
+
+
+def _leave(stack: list[str]):
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+
+    return leave
+
+
+def _record_output(outputs: list[int]):
+    """Bytes of the model's forward output (e.g. the logits): backward's first buffer is its gradient."""
+
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        tensors = [output] if isinstance(output, torch.Tensor) else [
+            t for t in (output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else [])
+            if isinstance(t, torch.Tensor)
+        ]
+        outputs.append(sum(t.numel() * t.element_size() for t in tensors if t.requires_grad))
+
+    return record
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank peak bytes of one training step, by category (device), plus host memory."""
+
+    stage: int
+    world_size: int
+    micro_batch: int
+    precision: str
+    offload: bool
+    checkpointing: bool
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    gathered_parameters: float
+    output_gradient: float
+    host: float  # CPU memory for offloaded optimizer state
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return (
+            self.parameters + self.gradients + self.optimizer_state + self.activations
+            + self.gathered_parameters + self.output_gradient
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak}
+
+
+def estimate(
+    traced: Trace,
+    *,
+    stage: int,
+    world_size: int,
+    micro_batch: int,
+    traced_micro_batch: int,
+    precision: str = "fp32",
+    offload: bool = False,
+    checkpointing: bool = False,
+) -> Estimate:
+    """Per-rank peak of a training step for one configuration (see the module docstring).
+
+    Activations scale linearly from the traced micro-batch (``traced_micro_batch``) to ``micro_batch``.
+    """
+    if micro_batch < 1 or traced_micro_batch < 1:
+        raise ValueError("micro-batch sizes must be >= 1")
+    prec = _precision(precision)
+    states = model_states(traced.numel, world_size, stage, precision)
+    scale = micro_batch / traced_micro_batch
+    act_scale = prec.param / 4  # traced in fp32; mixed precision keeps half-size activations
+    activations = traced.activation_bytes
+    if checkpointing:
+        inner = {n: b for n, b in traced.unit_activation_bytes.items() if n}
+        kept = sum(traced.unit_input_bytes[n] for n in inner)
+        activations = activations - sum(inner.values()) + kept + max(inner.values(), default=0)
+    activations *= scale * act_scale
+    gradients = states.gradients if stage < 2 else 0.0  # stages 2-3: released at zero_grad()
+    gathered = 0.0
+    if stage == 3:
+        blocks = sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
+        gathered = (traced.unit_numels.get("", 0) + sum(blocks[:2])) * prec.param
+    optimizer_state, host, notes = states.optimizer_state, 0.0, []
+    if offload:
+        host = optimizer_state + prec.grad * traced.numel / (world_size if stage >= 2 else 1)
+        optimizer_state = 0.0
+        notes.append("CPU offload is planned, not yet implemented by ZeroOptimizer")
+    if precision != "fp32":
+        notes.append("mixed precision is planned, not yet implemented by ZeroOptimizer")
+    return Estimate(
+        stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
+        checkpointing=checkpointing, parameters=states.parameters, gradients=gradients,
+        optimizer_state=optimizer_state, activations=activations, gathered_parameters=gathered,
+        output_gradient=traced.output_bytes * scale * act_scale, host=host, notes=notes,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: list[Estimate]  # best first
+    rejected: list[tuple[Estimate, str]]  # with the reason
+
+
+def plan(
+    traced: Trace,
+    *,
+    gpu_memory: float,
+    world_size: int,
+    micro_batches: list[int],
+    traced_micro_batch: int,
+    precision: str = "fp32",
+    headroom: float = 0.9,
+) -> Plan:
+    """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
+    ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), best first.
+
+    Best means most tokens per step for the least extra work: larger micro-batches first, then
+    no checkpointing (it recomputes the forward), no offload (host transfers), lower stage
+    (stage 3 moves 1.5x the data)."""
+    if gpu_memory <= 0:
+        raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
+    budget = headroom * gpu_memory
+    fits, rejected = [], []
+    for micro in micro_batches:
+        for checkpointing in (False, True):
+            for offload in (False, True):
+                for stage in STAGES:
+                    e = estimate(
+                        traced, stage=stage, world_size=world_size, micro_batch=micro,
+                        traced_micro_batch=traced_micro_batch, precision=precision, offload=offload,
+                        checkpointing=checkpointing,
+                    )
+                    if e.peak <= budget:
+                        fits.append(e)
+                    else:
+                        rejected.append((e, _why(e, budget)))
+    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, e.offload, e.stage))
+    return Plan(fits, rejected)
+
+
+def _why(e: Estimate, budget: float) -> str:
+    parts = {
+        "model states": e.parameters + e.gradients + e.optimizer_state,
+        "activations": e.activations,
+        "gathered parameters": e.gathered_parameters,
+        "output gradient": e.output_gradient,
+    }
+    largest = max(parts, key=parts.get)
+    return f"needs {e.peak / GiB:.2f} GiB > {budget / GiB:.2f} GiB; largest part: {largest} {parts[largest] / GiB:.2f} GiB"
+
+
+def _precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
+
+
+def parse_size(text: str) -> float:
+    """``"24GiB"``, ``"80GB"``, ``"512MiB"`` or a number of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
+    lowered = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            number = lowered[: -len(suffix)].strip()
+            break
+    else:
+        suffix, number = "b", lowered
+    try:
+        value = float(number) * units[suffix]
+    except ValueError:
+        raise ValueError(f"not a memory size: {text!r} (examples: 24GiB, 80GB, 512MiB)") from None
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
