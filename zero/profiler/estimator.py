@@ -112,7 +112,6 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
     params = list(model.parameters())
     param_storages = {p.untyped_storage()._cdata for p in params}
     units = plan_units(model, [p for p in params if p.requires_grad], unit_classes=None, unit_size_bytes=None)
-    unit_of_module = {id(u.module): u.name for u in units}
     saved: dict[int, int] = {}
     per_unit: dict[str, int] = {u.name: 0 for u in units}
     inputs: dict[str, int] = {u.name: 0 for u in units}
