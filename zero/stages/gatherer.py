@@ -114,10 +114,6 @@ class ParamGatherer:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
                     self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     # ----- unshard / reshard ------------------------------------------------------------------------
 

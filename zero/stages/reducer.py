@@ -71,10 +71,6 @@ class GradReducer:
             for i, slot in enumerate(self.slots)
         ]
 
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     # ----- hooks ----------------------------------------------------------------------------------------
 
