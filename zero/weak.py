@@ -2,8 +2,11 @@
 
 Note: a hook stored on a tensor lives in C++, where Python's garbage collector cannot see
 it. A hook that refers (even indirectly) to the tensor it is registered on therefore forms
-a cycle that is never collected, and the model leaks with its optimizer. Hooks registered
-on parameters hold only a weak reference to their owner plus plain data (indices).
+a cycle that is never collected, and the model leaks with its optimizer. Module hooks that
+refer to their owner form cycles the collector does find, but only later: until then the
+optimizer keeps its process group alive, and one still alive when the interpreter shuts
+down can abort it. Every hook ZeroOptimizer registers therefore holds only a weak
+reference to its owner plus plain data (indices).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from functools import partial
 from typing import Any, Iterable
 
 import torch
@@ -107,8 +106,8 @@ class ParamGatherer:
         self._fingerprint = 0
         self._hooks = []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)))
-            self._hooks.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+            self._hooks.append(unit.module.register_forward_pre_hook(weak_hook(self._pre_forward, unit.index)))
+            self._hooks.append(unit.module.register_forward_hook(weak_hook(self._post_forward, unit.index)))
             for bucket in unit.buckets:
                 for slot in bucket.slots:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
@@ -171,7 +170,8 @@ class ParamGatherer:
 
     # ----- forward ----------------------------------------------------------------------------------
 
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        unit = self.units[index]
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
             self.wait(unit)
             return
@@ -187,7 +187,8 @@ class ParamGatherer:
         self.wait(unit)
         self._prefetch(self._forward_order, self._previous_forward)
 
-    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        unit = self.units[index]
         if _in_backward():
             return
         self._depth = max(0, self._depth - 1)
@@ -205,7 +206,7 @@ class ParamGatherer:
         if not needs_grad:
             self.reshard(unit)
             return
-        torch.autograd.graph.register_multi_grad_hook(needs_grad, partial(self._pre_backward, unit), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(needs_grad, weak_hook(self._pre_backward, unit.index), mode="any")
         if self.reshard_after_forward and not unit.is_root:
             self._release_finished(keep=unit)
             self._finished = unit
@@ -225,7 +226,8 @@ class ParamGatherer:
 
     # ----- backward ---------------------------------------------------------------------------------
 
-    def _pre_backward(self, unit: Unit, grad: torch.Tensor | None) -> None:
+    def _pre_backward(self, index: int, grad: torch.Tensor | None) -> None:
+        unit = self.units[index]
         task = torch._C._current_graph_task_id()
         if task != self._backward_task:  # the first hook of a new backward pass
             if self._in_backward_pass:  # the previous one was interrupted by an error
