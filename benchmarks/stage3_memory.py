@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zero import ZeroOptimizer
-from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 
 
 class _MallInfo2(ctypes.Structure):
@@ -130,11 +130,7 @@ def measure(kind: str, base: GPT, cfg: GPTConfig, batch: int, in_use, zero_confi
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
+    add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
     p.add_argument("--prefetch-units", type=int, default=1, help="ZeroConfig.prefetch_units")
     p.add_argument("--in-flight", type=int, default=2, help="ZeroConfig.max_in_flight_buckets")
@@ -142,7 +138,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=10))
-    cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    cfg = gpt_config(args)
     torch.manual_seed(0)
     base = GPT(cfg)
     in_use = _allocator_in_use()

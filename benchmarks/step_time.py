@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from zero import ZeroOptimizer
-from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 
 try:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -91,11 +91,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="timed steps per contender")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
+    add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="ZeroOptimizer bucket_size_mb")
     p.add_argument("--prefetch-units", type=int, default=1, help="ZeroConfig.prefetch_units (stage 3)")
@@ -187,7 +183,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
 
-    cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    cfg = gpt_config(args)
     torch.manual_seed(0)
     base = GPT(cfg)
     contenders = build_contenders(base, args.bucket_mb, args.prefetch_units)

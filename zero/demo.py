@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zero.memory import zero_model_state_bytes
-from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 
 
@@ -28,11 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to launch (default 2)")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--seq-len", type=int, default=64)
+    add_gpt_arguments(parser, vocab=512, seq_len=64, d_model=128, layers=2, heads=4)
     parser.add_argument("--batch", type=int, default=0, help="global batch (default: 4 per rank)")
     parser.add_argument("--lr", type=float, default=3e-3)
 
@@ -56,7 +52,7 @@ def _relaunch_under_torchrun(args: argparse.Namespace) -> int:
 def _run_rank(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    cfg = gpt_config(args)
     batch = args.batch or 4 * world
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"GPT: d_model={cfg.d_model} layers={cfg.num_layers} vocab={cfg.vocab_size} seq={cfg.seq_len}; "

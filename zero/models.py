@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,22 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+
+
+def add_gpt_arguments(
+    parser: argparse.ArgumentParser, *, vocab: int, seq_len: int, d_model: int, layers: int, heads: int
+) -> None:
+    """The ``--vocab --seq-len --d-model --layers --heads`` options, with the caller's defaults."""
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--d-model", type=int, default=d_model)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=heads)
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPTConfig named by :func:`add_gpt_arguments`' options."""
+    return GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
 
 
 class CausalSelfAttention(nn.Module):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from zero.models import GPT, GPTConfig
+from zero.models import GPT, add_gpt_arguments, gpt_config
 from zero.profiler.estimator import GiB, PRECISIONS, Estimate, parse_size, plan, trace
 
 
@@ -18,11 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 2, 4, 8], help="sequences per rank")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed",
                         help="fp32, or mixed (bf16/fp16 parameters and gradients, fp32 master weights)")
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--d-model", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--heads", type=int, default=16)
+    add_gpt_arguments(parser, vocab=50304, seq_len=1024, d_model=2048, layers=24, heads=16)
     parser.add_argument("--show", type=int, default=8, help="how many fitting and rejected configurations to list")
     parser.add_argument("--json", type=str, default=None, help="also write every estimate to this file")
 
@@ -37,7 +33,7 @@ def _size(text: str) -> float:
 def main(args: argparse.Namespace) -> int:
     if args.world_size < 1 or min(args.micro_batch) < 1:
         raise SystemExit("zero estimate: --world-size and --micro-batch must be >= 1")
-    cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
+    cfg = gpt_config(args)
     print(f"tracing a GPT ({cfg}) on fake tensors (no memory is allocated) ...", flush=True)
     start = time.perf_counter()
     tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)
