@@ -79,9 +79,15 @@ class Bucket:
         self.slots.append(slot)
 
     def make_views(self) -> None:
-        """Each slot's view of ``param_buffer`` (which must be allocated now)."""
+        """Each slot's view of ``param_buffer``. Views can only be made of allocated storage; a
+        released buffer is allocated untouched for the moment and released again."""
+        released = not self.param_buffer.is_allocated
+        if released:
+            self.param_buffer.allocate(zero=False)
         for slot in self.slots:
             slot.view = self.param_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
+        if released:
+            self.param_buffer.free()
 
     def adopt_whole(self) -> None:
         """Copy every parameter into ``param_buffer`` and make its ``.data`` a view of it (stages 0-2)."""
@@ -100,6 +106,16 @@ class Bucket:
             LocalPiece(slot_of[p.param_index], p, shard.narrow(0, p.chunk_start, p.numel))
             for p in self.layout.pieces(self.shard_index)
         ]
+
+    def copy_to_shard(self, slot: ParamSlot, whole: torch.Tensor) -> None:
+        """Copy the pieces of ``whole`` (the slot's full value) that fall in this rank's chunk into ``shard``."""
+        flat = whole.detach().reshape(-1)  # 1D
+        with torch.no_grad():
+            for piece in self.layout.pieces(self.shard_index):
+                if piece.param_index == slot.span.param_index:
+                    self.shard.narrow(0, piece.chunk_start, piece.numel).copy_(
+                        flat.narrow(0, piece.param_start, piece.numel)
+                    )
 
     # ----- views ----------------------------------------------------------------------------------
 

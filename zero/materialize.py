@@ -191,11 +191,7 @@ def _store(p: nn.Parameter, value: torch.Tensor, slots: dict[nn.Parameter, Param
     if slot is None:
         p.data = value
         return
-    bucket = slot.bucket
-    flat = value.reshape(-1)
-    for piece in bucket.layout.pieces(bucket.shard_index):
-        if piece.param_index == slot.span.param_index:
-            bucket.shard.narrow(0, piece.chunk_start, piece.numel).copy_(flat.narrow(0, piece.param_start, piece.numel))
+    slot.bucket.copy_to_shard(slot, value)
     _release(p, slots)
 
 

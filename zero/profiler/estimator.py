@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zero.outputs import tensors_in
 from zero.units import plan_units
 
 GiB = 2**30
@@ -167,10 +168,7 @@ def _record_output(outputs: list[int]):
     """Bytes of the model's forward output (e.g. the logits): backward's first buffer is its gradient."""
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
-        tensors = [output] if isinstance(output, torch.Tensor) else [
-            t for t in (output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else [])
-            if isinstance(t, torch.Tensor)
-        ]
+        tensors = tensors_in(output) or []
         outputs.append(sum(t.numel() * t.element_size() for t in tensors if t.requires_grad))
 
     return record

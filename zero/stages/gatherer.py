@@ -34,7 +34,6 @@ parameters the first one already released.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any, Iterable
 
@@ -44,6 +43,7 @@ from torch import nn
 from zero.bucket import Bucket
 from zero.comm import Communicator, Handle
 from zero.stages.stage3 import Stage3
+from zero.outputs import tensors_in
 from zero.units import UnitSpec
 from zero.weak import weak_hook
 
@@ -199,7 +199,7 @@ class ParamGatherer:
                     if not other.in_backward:
                         self.reshard(other)
             return
-        tensors = _tensors(output)
+        tensors = tensors_in(output)
         if tensors is None:  # cannot see the outputs, so cannot hook them: keep it for backward
             return
         needs_grad = [t for t in tensors if t.requires_grad]
@@ -265,22 +265,3 @@ class ParamGatherer:
 def _in_backward() -> bool:
     """Whether this thread is running an autograd backward pass."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(output: Any) -> list[torch.Tensor] | None:
-    """Tensors in a module's output: tensors, and tuples, lists, dicts (model outputs included)
-    and dataclasses of them. ``None`` if it holds an object of another kind (it may hide tensors)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if output is None or isinstance(output, (int, float, bool, str)):
-        return []
-    if isinstance(output, (list, tuple)):
-        items = list(output)
-    elif isinstance(output, dict):
-        items = list(output.values())
-    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
-        items = [getattr(output, f.name) for f in dataclasses.fields(output)]
-    else:
-        return None
-    found = [_tensors(item) for item in items]
-    return None if any(f is None for f in found) else [t for f in found for t in f]

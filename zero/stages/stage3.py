@@ -28,17 +28,10 @@ class Stage3(Stage2):
     def init_params(self, bucket: Bucket) -> None:
         """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
         buf = bucket.param_buffer
-        buf.allocate(zero=False)  # untouched: only to create the views
         bucket.make_views()
-        buf.free()
         bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, buf.data.device)  # padding: zeros
-        slot_of = {slot.span.param_index: slot for slot in bucket.slots}
-        with torch.no_grad():
-            for piece in bucket.layout.pieces(bucket.shard_index):
-                source = slot_of[piece.param_index].param.detach().reshape(-1)  # 1D
-                bucket.shard.narrow(0, piece.chunk_start, piece.numel).copy_(
-                    source.narrow(0, piece.param_start, piece.numel)
-                )
+        for slot in bucket.slots:
+            bucket.copy_to_shard(slot, slot.param)
         nan = placeholder((), buf.dtype, buf.data.device)  # one element, shared by the bucket's placeholders
         for slot in bucket.slots:
             make_sharded(slot.param, slot.name)
@@ -69,13 +62,10 @@ class Stage3(Stage2):
 
     def hand_over(self, bucket: Bucket) -> None:
         """Let tensors taken from the gathered parameters (e.g. a ``state_dict()``) keep their values:
-        the bucket gathers into a new storage from now on and the old one lives as long as they do."""
-        for slot in bucket.slots:
-            set_data(slot.param, slot.placeholder, sharded=True)
+        the bucket gathers into a new storage from now on and the old one lives as long as they do.
+        (The parameters still point at the old storage: :meth:`reshard` is what comes next.)"""
         bucket.param_buffer.disown()
-        bucket.param_buffer.allocate(zero=False)  # untouched: only to make the views
         bucket.make_views()
-        bucket.param_buffer.free()
 
     def reshard(self, bucket: Bucket) -> None:
         """Release ``param_buffer`` and point each parameter at its placeholder."""
