@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-import warnings
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -12,9 +10,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zero import checkpoint
 from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
+from zero.inner import check_optimizer, rebuild_optimizer
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import ModelStateBytes, storage_bytes
 from zero.partition import build_partition
@@ -22,14 +22,6 @@ from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, RoundState
 from zero.units import plan_units
-
-# Update rules that act element by element: correct on any slice of a flattened parameter.
-ELEMENTWISE_OPTIMIZERS = tuple(
-    getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
-)
-# Rules that need whole tensors (factored or matrix statistics) or a closure over the whole model.
-NON_ELEMENTWISE_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 STATE_DICT_FORMAT = "zero.shard/1"
 
@@ -76,11 +68,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **overrides: Any,
     ):
         self.config = _resolve_config(config, overrides)
-        _check_optimizer(optimizer)
+        if isinstance(optimizer, ZeroOptimizer):
+            raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
+        check_optimizer(optimizer)
         self.module = model
         self.comm = Communicator(process_group, self.config.timeout_s)
         self.zero_stage = make_stage(self.config.stage)
-        meta = self._replace_meta_parameters(optimizer, init_fn, device)
+        self._init_device = _init_device(device, self.comm)
+        meta = self._replace_meta_parameters(optimizer, init_fn)
         if self.config.sync_module_states:
             self._broadcast_module_states()
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
@@ -100,7 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if meta:
             slots = {slot.param: slot for slot in self.partition.slots}
             materialize(model, meta, slots, init_fn, self._init_device)
-        self._inner = _rebuild_optimizer(optimizer, self.buckets)
+        self._inner = rebuild_optimizer(optimizer, self.buckets)
         self._pieces_in_model_order = sorted(
             (p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start)
         )
@@ -280,37 +275,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (call on every rank; save one file per rank)."""
-        return {
-            "format": STATE_DICT_FORMAT,
-            "stage": self.config.stage,
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-            "layout": self._fingerprint(),
-            "optimizer": self._inner.state_dict(),
-        }
+        return {**self._checkpoint_header(), "optimizer": self._inner.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage and model."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-            raise ValueError(
-                "not a ZeroOptimizer state dict (missing format tag "
-                f"{STATE_DICT_FORMAT!r}); save it with ZeroOptimizer.state_dict()"
-            )
-        saved, here = state_dict, self.state_dict()
-        if saved["world_size"] != here["world_size"]:
-            raise ValueError(
-                f"this checkpoint was saved at world size {saved['world_size']} but this run has world size "
-                f"{here['world_size']}. Loading on a different world size (resharding) is not supported yet: "
-                f"resume on {saved['world_size']} ranks."
-            )
-        for key in ("stage", "rank"):
-            if saved[key] != here[key]:
-                raise ValueError(
-                    f"this shard was saved with {key}={saved[key]} but is being loaded with {key}={here[key]}; "
-                    "each rank must load its own shard, saved with the same ZeRO stage"
-                )
-        _compare_layouts(saved["layout"], here["layout"])
-        self._inner.load_state_dict(saved["optimizer"])
+        checkpoint.check_loadable(state_dict, self._checkpoint_header())
+        self._inner.load_state_dict(state_dict["optimizer"])
         self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
         self.state = self._inner.state
 
@@ -352,14 +322,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for handle in [self.comm.broadcast(t.data, 0, what=what) for t in tensors]:
             handle.wait()
 
-    def _replace_meta_parameters(
-        self, optimizer: torch.optim.Optimizer, init_fn: InitFn | None, device: torch.device | str | None
-    ) -> set:
+    def _replace_meta_parameters(self, optimizer: torch.optim.Optimizer, init_fn: InitFn | None) -> set:
         """Stage 3 with a meta model: swap meta parameters for placeholders on the target device."""
-        has_cuda = torch.cuda.is_available() and self.comm.backend == "nccl"
-        self._init_device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu")
-        )
         if not any(p.is_meta for p in self.module.parameters()):
             if init_fn is not None:
                 raise ValueError("init_fn is used only to initialize a model built on the meta device")
@@ -396,11 +360,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("gathered_parameters() got parameters that this ZeroOptimizer does not manage")
         return [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
 
-    def _fingerprint(self) -> dict[str, Any]:
-        return {
-            "params": [(s.name, tuple(s.param.shape), str(s.param.dtype)) for s in self.partition.slots],
-            "buckets": [(b.layout.padded_numel, len(b.slots)) for b in self.buckets],
-        }
+    def _checkpoint_header(self) -> dict[str, Any]:
+        return checkpoint.header(
+            stage=self.config.stage, world_size=self.comm.world_size, rank=self.comm.rank, partition=self.partition
+        )
+
+
+def _init_device(device: torch.device | str | None, comm: Communicator) -> torch.device:
+    """Where parameters built on ``meta`` are materialized: ``device``, else this rank's GPU with NCCL, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available() and comm.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _resolve_config(config: ZeroConfig | None, overrides: dict[str, Any]) -> ZeroConfig:
@@ -409,63 +381,6 @@ def _resolve_config(config: ZeroConfig | None, overrides: dict[str, Any]) -> Zer
     if not isinstance(config, ZeroConfig):
         raise ValueError(f"config must be a zero.ZeroConfig, got {type(config).__name__}")
     return ZeroConfig(**{**config.model_dump(), **overrides})  # re-validated
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"ZeroOptimizer wraps a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
-    if isinstance(optimizer, ZeroOptimizer):
-        raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
-    name = type(optimizer).__name__
-    if name in NON_ELEMENTWISE_OPTIMIZERS:
-        raise ValueError(
-            f"{name} is not supported: ZeRO steps flat slices of parameters, which is exact only for "
-            f"elementwise update rules. Use one of: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}."
-        )
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        warnings.warn(
-            f"{name} is not a known elementwise optimizer; ZeroOptimizer is exact only if its update of each "
-            "element depends on that element alone (no per-tensor norms or shapes).",
-            stacklevel=3,
-        )
-    stepped = any("step" not in s or float(s["step"]) > 0 for s in optimizer.state.values())
-    if stepped:
-        raise ValueError(
-            f"the {name} optimizer has already stepped; wrap it in ZeroOptimizer before the first step "
-            "(to resume training, load a ZeroOptimizer state_dict instead)"
-        )
-
-
-def _rebuild_optimizer(optimizer: torch.optim.Optimizer, buckets) -> torch.optim.Optimizer:
-    """A new optimizer of the same class whose groups hold this rank's pieces (same hyperparameters)."""
-    groups = []
-    for gi, group in enumerate(optimizer.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        pieces = [p.tensor for b in buckets for p in b.pieces if p.slot.group_index == gi]
-        groups.append({**hyper, "params": pieces})
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-    return cls(groups, **kwargs)
-
-
-def _compare_layouts(saved: dict[str, Any], here: dict[str, Any]) -> None:
-    for i, (a, b) in enumerate(zip(saved["params"], here["params"])):
-        if (a[0], tuple(a[1]), a[2]) != (b[0], tuple(b[1]), b[2]):
-            raise ValueError(
-                f"this checkpoint does not match the model: parameter #{i} was {a[0]} {tuple(a[1])} {a[2]} "
-                f"when saved but is {b[0]} {tuple(b[1])} {b[2]} now"
-            )
-    if len(saved["params"]) != len(here["params"]):
-        raise ValueError(
-            f"this checkpoint has {len(saved['params'])} trainable parameters; the model has {len(here['params'])}"
-        )
-    if [tuple(x) for x in saved["buckets"]] != [tuple(x) for x in here["buckets"]]:
-        raise ValueError(
-            "this checkpoint was saved with a different bucket layout (bucket_size_mb); "
-            "resume with the same ZeroConfig.bucket_size_mb"
-        )
 
 
 def init_sharded(
