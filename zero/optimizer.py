@@ -77,7 +77,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._init_device = _init_device(device, self.comm)
         meta = self._replace_meta_parameters(optimizer, init_fn)
         if self.config.sync_module_states:
-            self._broadcast_module_states()
+            self._broadcast_module_states(skip=meta)
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
         self.partition = build_partition(
             optimizer,
@@ -312,12 +312,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._reducer.has_reduced:
             raise ValueError(f"{what} called before backward(): there are no gradients to use yet")
 
-    def _broadcast_module_states(self) -> None:
-        """Rank 0's parameters and buffers everywhere (a meta model is built alike on every rank instead)."""
+    def _broadcast_module_states(self, skip: set) -> None:
+        """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
+        buffers): every rank initializes them alike, from the same seed."""
         if self.comm.world_size == 1:
             return
-        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if not t.is_meta]
-        tensors = [t for t in tensors if t.untyped_storage().nbytes() >= t.numel() * t.element_size()]
+        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if t not in skip and not t.is_meta]
         what = "broadcast of rank 0's module states"
         for handle in [self.comm.broadcast(t.data, 0, what=what) for t in tensors]:
             handle.wait()
