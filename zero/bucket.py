@@ -18,11 +18,13 @@ Per backward pass it also tracks which parameters have handed in their gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from zero.flat_buffer import FlatBuffer
 from zero.layout import BucketLayout, ParamSpan, Piece
+from zero.memory import MemoryItem
 
 
 @dataclass
@@ -141,6 +143,31 @@ class Bucket:
         """The reduced gradient for one local piece (1D view of ``grad_shard``)."""
         assert self.grad_shard is not None
         return self.grad_shard.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+
+    # ----- memory ----------------------------------------------------------------------------------
+
+    def named_memory(self, gathering: bool) -> Iterator[MemoryItem]:
+        """Every tensor this bucket owns, named for the memory profiler (``gathering``: stage 3's
+        all-gather into ``param_buffer`` is in flight, e.g. a prefetch)."""
+        module = self.unit.name if self.unit is not None else ""
+        if gathering:
+            yield MemoryItem("communication", "all-gather", self.param_buffer.data, module)
+        else:
+            yield MemoryItem("parameters", "whole" if self.shard_buffer is None else "gathered", self.param_buffer.data, module)
+        if self.shard_buffer is not None:
+            yield MemoryItem("parameters", "shard", self.shard_buffer.data, module)
+        if self.grad_buffer is not None:
+            if self.grad_shard_buffer is None:  # stages 0-1: whole gradients live in it
+                yield MemoryItem("gradients", "buckets", self.grad_buffer.data, module)
+            else:  # stages 2-3: a staging buffer that exists only for the reduce-scatter
+                yield MemoryItem("communication", "reduce-scatter", self.grad_buffer.data, module)
+        if self.grad_shard_buffer is not None:
+            yield MemoryItem("gradients", "shard", self.grad_shard_buffer.data, module)
+        for slot in self.slots:
+            if slot.param.grad is not None:  # stages 2-3: autograd's gradient, not yet staged
+                yield MemoryItem("gradients", "whole", slot.param.grad, module)
+            if slot.placeholder is not None:
+                yield MemoryItem("parameters", "placeholder", slot.placeholder, module)
 
     # ----- per-backward bookkeeping -----------------------------------------------------------------
 

@@ -15,6 +15,20 @@ import torch
 
 
 @dataclass(frozen=True)
+class MemoryItem:
+    """A tensor named for the memory profiler: its category, a label within it and the module it serves.
+
+    Categories: ``parameters``, ``gradients``, ``optimizer_state``, ``communication`` (buffers of
+    collectives in flight), and ``other``. ``module`` is a module name, or ``""`` for the whole model.
+    """
+
+    category: str
+    label: str
+    tensor: torch.Tensor
+    module: str = ""
+
+
+@dataclass(frozen=True)
 class ModelStateBytes:
     parameters: int
     gradients: int

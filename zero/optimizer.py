@@ -16,7 +16,7 @@ from zero.comm import Communicator
 from zero.config import ZeroConfig
 from zero.inner import check_optimizer, rebuild_optimizer
 from zero.materialize import InitFn, materialize, replace_meta_parameters
-from zero.memory import ModelStateBytes, storage_bytes
+from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.partition import build_partition
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
@@ -296,6 +296,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]
         states = [v for s in self._inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return ModelStateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(states))
+
+    def named_memory(self) -> list[MemoryItem]:
+        """Every tensor this optimizer owns, named for the memory profiler (``zero.profile``): flat
+        parameter and gradient buffers, shards, buffers of collectives in flight, the wrapped
+        optimizer's state. Views of one storage may appear more than once; the first name wins."""
+        gathering = self._gatherer.gathering_buckets() if self._gatherer is not None else set()
+        items = [item for b in self.buckets for item in b.named_memory(gathering=b in gathering)]
+        items += [MemoryItem("parameters", "frozen", p, name.rpartition(".")[0]) for name, p in self.partition.frozen]
+        for state in self._inner.state.values():
+            items += [MemoryItem("optimizer_state", key, v) for key, v in state.items() if isinstance(v, torch.Tensor)]
+        return items
 
     # ----- helpers ------------------------------------------------------------------------------------
 

@@ -1,5 +1,9 @@
-"""Memory estimation (and, next, measurement) for ZeRO training."""
+"""Memory: the tracker (``zero.profile``), its report, and the pre-flight estimator and planner."""
 
 from zero.profiler.estimator import Estimate, Plan, Trace, estimate, model_states, parse_size, plan, trace
+from zero.profiler.tracker import CATEGORIES, MemoryTracker, Sample, profile
 
-__all__ = ["Estimate", "Plan", "Trace", "estimate", "model_states", "parse_size", "plan", "trace"]
+__all__ = [
+    "CATEGORIES", "Estimate", "MemoryTracker", "Plan", "Sample", "Trace", "estimate", "model_states", "parse_size",
+    "plan", "profile", "trace",
+]

@@ -6,8 +6,7 @@ device's), which gives the exact parameter count, the sizes of stage 3's units a
 bytes autograd saves for backward. The ZeRO formulas take over where tracing cannot reach
 (sharding, optimizer state, precision, offload).
 
-The peak of a training step is taken at the start of backward, when every saved
-activation is still alive:
+A training step peaks at the start of backward, when every saved activation is still alive:
 
 * model states: parameters, gradients, optimizer state (incl. fp32 master weights), as
   sharded by the stage; stages 0-1 keep gradient buckets allocated, stages 2-3 release
@@ -15,10 +14,19 @@ activation is still alive:
 * activations: saved-for-backward bytes of one micro-batch (with activation
   checkpointing: each unit's inputs, plus the largest unit's own activations, recomputed);
 * gathered parameters (stage 3): the root unit, the last unit and the prefetched one;
-* the loss gradient with respect to the model's output (the first buffer backward makes).
+* the output gradient: backward's first buffers, the gradients of the loss with respect to the
+  model's output and to the softmax inside the loss, alive together (twice the output's bytes);
 
-Not yet checked against measured peaks (the tracker of issue 4 comes next); the model-state
-column is the ZeRO paper's and is tested against it.
+or, at stages 2-3 with small activations, when a bucket's (stage 3: a unit's) gradients are
+complete: autograd's gradients and the staging buffer of the reduce-scatter, both whole.
+Buffers that collectives allocate for themselves are left out: NCCL's are outside PyTorch's
+allocator, and gloo (CPU ranks) copies through buffers as large as the bucket or unit it moves,
+which it frees at times that vary from run to run (sometimes only well after the collective).
+The tracker reports them as ``communication/collective internals``.
+
+Checked against the tracker's measured peaks (``zero.profile``, without those buffers) for a
+GPT at every stage, world sizes 1-3 and two micro-batches (``tests/distributed``); the
+model-state column is the ZeRO paper's and is tested against it.
 """
 
 from __future__ import annotations
@@ -191,6 +199,7 @@ class Estimate:
     gathered_parameters: float
     output_gradient: float
     host: float  # CPU memory for offloaded optimizer state
+    moment: str  # when the peak happens: "start of backward" or "gradient reduction"
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -214,6 +223,7 @@ def estimate(
     precision: str = "fp32",
     offload: bool = False,
     checkpointing: bool = False,
+    bucket_size_mb: float = 25,
 ) -> Estimate:
     """Per-rank peak of a training step for one configuration (see the module docstring).
 
@@ -232,9 +242,8 @@ def estimate(
         activations = activations - sum(inner.values()) + kept + max(inner.values(), default=0)
     activations *= scale * act_scale
     gradients = states.gradients if stage < 2 else 0.0  # stages 2-3: released at zero_grad()
-    gathered = 0.0
+    gathered, blocks = 0.0, sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
     if stage == 3:
-        blocks = sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
         gathered = (traced.unit_numels.get("", 0) + sum(blocks[:2])) * prec.param
     optimizer_state, host, notes = states.optimizer_state, 0.0, []
     if offload:
@@ -243,12 +252,26 @@ def estimate(
         notes.append("CPU offload is planned, not yet implemented by ZeroOptimizer")
     if precision != "fp32":
         notes.append("mixed precision is planned, not yet implemented by ZeroOptimizer")
-    return Estimate(
+    common = dict(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
-        checkpointing=checkpointing, parameters=states.parameters, gradients=gradients,
-        optimizer_state=optimizer_state, activations=activations, gathered_parameters=gathered,
-        output_gradient=traced.output_bytes * scale * act_scale, host=host, notes=notes,
+        checkpointing=checkpointing, parameters=states.parameters, optimizer_state=optimizer_state, host=host,
+        notes=notes,
     )
+    start = Estimate(
+        **common, moment="start of backward", gradients=gradients, activations=activations,
+        gathered_parameters=gathered, output_gradient=2 * traced.output_bytes * scale * act_scale,
+    )
+    if stage < 2:
+        return start
+    # Stages 2-3 also peak where a bucket's gradients are complete: autograd's gradients and the
+    # staging buffer they are copied into for the reduce-scatter, both whole (activations mostly freed).
+    bucket = min(traced.numel, int(bucket_size_mb * 2**20) // prec.param) if stage == 2 else max(blocks, default=0)
+    reduction = Estimate(
+        **common, moment="gradient reduction", gradients=2 * prec.grad * bucket, activations=0.0,
+        gathered_parameters=(traced.unit_numels.get("", 0) + bucket) * prec.param if stage == 3 else 0.0,
+        output_gradient=0.0,
+    )
+    return max(start, reduction, key=lambda e: e.peak)
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,10 @@ class ParamGatherer:
     def in_forward(self) -> bool:
         return self._depth > 0
 
+    def gathering_buckets(self) -> set[Bucket]:
+        """Buckets whose all-gather is in flight (prefetched units not yet needed, among them)."""
+        return {b for u in self.units if u.state is UnitState.GATHERING for b in u.buckets}
+
     def units_of(self, params: Iterable[nn.Parameter]) -> list[Unit]:
         """The units holding any of ``params``, in unit order."""
         wanted = {id(p) for p in params}

@@ -1,0 +1,449 @@
+"""The memory tracker: every live tensor byte on one device, by category, module and phase, over time.
+
+While a :class:`MemoryTracker` is active it keeps three registries of tensor storages:
+
+* **owned**: asked for at each sample: the model's parameters, gradients and buffers, and
+  whatever the optimizer names (``ZeroOptimizer.named_memory()``: flat buffers, shards,
+  buffers of collectives in flight, optimizer state; for a plain ``torch.optim`` optimizer,
+  its ``state``);
+* **saved**: storages autograd saves for backward (``saved_tensors_hooks``), with the module
+  whose forward saved them;
+* **created**: every storage an operator returns (a ``TorchDispatchMode``), with the module
+  and phase it was created in; and the storages that were already alive on entry.
+
+It samples at every module's forward pre- and post-hook, when backward reaches a module's
+outputs, at every parameter's gradient and around ``optimizer.step()``. A sample claims each
+live storage once, in this order: owned (by the owner's category), saved (``activations``),
+created during the run (``temporaries``), alive on entry (``other``). Sizes are read when
+sampled, so storages resized in place (freed and re-gathered buffers) count what they hold.
+
+The categories are then reconciled with the allocator's own figure (``zero.profiler.allocator``):
+whatever it holds that no category explains is reported as ``unexplained``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from zero.memory import MemoryItem
+from zero.outputs import tensors_in
+from zero.profiler import report
+from zero.profiler.allocator import Allocator, make_allocator
+from zero.weak import weak_hook
+
+CATEGORIES = (
+    "parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other",
+)
+PHASES = ("forward", "backward", "step", "idle")
+
+
+@dataclass
+class Sample:
+    """Live bytes at one point of the run."""
+
+    index: int
+    time: float  # seconds since the tracker started
+    step: int  # optimizer steps completed before this sample
+    phase: str
+    module: str  # the module running ("" outside any)
+    event: str  # what triggered the sample
+    categories: dict[str, int]
+    labels: dict[str, int]  # "category/label" -> bytes
+    modules: dict[str, int]  # module -> bytes of storages it created or serves ("" : the whole model)
+    allocated: int = 0  # the allocator's figure
+    entry_alive: int = 0  # bytes of storages alive on entry that are still alive (CPU reconciliation)
+    created_ptrs: frozenset[int] = frozenset()  # addresses of the temporaries (CPU reconciliation)
+
+    @property
+    def total(self) -> int:
+        return sum(self.categories.values())
+
+    @property
+    def unexplained(self) -> int:
+        return self.allocated - self.total
+
+
+@dataclass
+class _Origin:
+    ref: weakref.ref
+    module: str
+    phase: str
+
+
+@dataclass(eq=False)  # hashed by identity
+class _EntryStorage:
+    ref: weakref.ref
+    ptr: int
+    nbytes: int
+    dead_at: int | None = None  # first sample that found it freed or resized
+
+
+class _Context:
+    """Where the run is: the module stack in forward, the module reached in backward, the phase."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+        self.backward_module = ""
+        self.in_step = False
+        self.step = 0
+
+    @property
+    def phase(self) -> str:
+        if self.in_step:
+            return "step"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self.stack else "idle"
+
+    @property
+    def module(self) -> str:
+        if self.stack:  # forward, or a forward recomputed in backward (activation checkpointing)
+            return self.stack[-1]
+        if self.in_step:
+            return "<optimizer>"
+        return self.backward_module if self.phase == "backward" else ""
+
+
+class _Creations(TorchDispatchMode):
+    """Records the storage of every tensor an operator returns."""
+
+    def __init__(self, tracker: "MemoryTracker"):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracker._record_created(out)
+        if self.tracker.every_op:
+            self.tracker.sample(func.__name__)
+        return out
+
+
+class MemoryTracker:
+    """Context manager that profiles device memory while a model trains (see the module docstring).
+
+    Use :func:`zero.profile` rather than this class directly.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        every_op: bool = True,
+    ):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"zero.profile needs the model (an nn.Module), got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"zero.profile's optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.every_op = every_op
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.samples: list[Sample] = []
+        self.allocator: Allocator | None = None
+        self._ctx = _Context()
+        self._created: dict[int, _Origin] = {}
+        self._saved: dict[int, _Origin] = {}
+        self._entry: dict[int, _EntryStorage] = {}
+        self._param_modules = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+        self._handles: list[Any] = []
+        self._exits: list[Callable[[], None]] = []
+        self._start = 0.0
+        self._active = False
+
+    # ----- context ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "MemoryTracker":
+        if self._active or self.samples:
+            raise ValueError("a memory tracker records one run; make a new one with zero.profile()")
+        self._active = True
+        self._start = time.perf_counter()
+        self._find_entry_storages()
+        self.allocator = make_allocator(self.device)
+        self.allocator.start()
+        self._install_hooks()
+        saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack)
+        saved.__enter__()
+        self._exits.append(lambda: saved.__exit__(None, None, None))
+        mode = _Creations(self)
+        mode.__enter__()
+        self._exits.append(lambda: mode.__exit__(None, None, None))
+        self.sample("start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.sample("end")
+        finally:
+            for leave in reversed(self._exits):
+                leave()
+            self._exits.clear()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._active = False
+            self.allocator.stop()
+        self.allocator.reconcile(self.samples, list(self._entry.values()))
+
+    # ----- results ----------------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken while tracking."""
+        return self._ctx.step
+
+    @property
+    def peak(self) -> Sample:
+        """The sample with the allocator's highest figure, with its breakdown."""
+        return report.peak_sample(self)
+
+    def report(self) -> str:
+        """The terminal table: categories at the peak and between steps, top labels and modules."""
+        return report.table(self)
+
+    def to_json(self, path: str | None = None) -> str:
+        """The report and the whole timeline as JSON (written to ``path`` if given)."""
+        return report.to_json(self, path)
+
+    def plot(self, path: str) -> None:
+        """Save a figure: stacked timeline by category, and bytes per module at the peak (needs matplotlib)."""
+        report.plot(self, path)
+
+    # ----- sampling -------------------------------------------------------------------------------
+
+    def sample(self, event: str) -> None:
+        """Record live bytes now (also called by the hooks); ``event`` says what happened."""
+        categories = dict.fromkeys(CATEGORIES, 0)
+        labels: dict[str, int] = {}
+        modules: dict[str, int] = {}
+        seen: set[int] = set()
+        size = self.allocator.block_size
+        index = len(self.samples)
+
+        def claim(storage: torch.UntypedStorage, category: str, label: str, module: str) -> None:
+            key = storage._cdata
+            if key in seen or storage.device.type != self.device.type:
+                return
+            seen.add(key)
+            nbytes = size(storage.nbytes())
+            if nbytes:
+                categories[category] += nbytes
+                labels[f"{category}/{label}"] = labels.get(f"{category}/{label}", 0) + nbytes
+                modules[module] = modules.get(module, 0) + nbytes
+
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters guard their storage
+            for item in self._owned():
+                claim(item.tensor.untyped_storage(), item.category, item.label, item.module)
+            for origin in list(self._saved.values()):  # held by autograd right now
+                storage = origin.ref()
+                if storage is not None:
+                    claim(storage, "activations", "saved for backward", origin.module)
+            created_ptrs = set()
+            for origin in list(self._created.values()):
+                storage = origin.ref()
+                if storage is not None:
+                    created_ptrs.add(storage.data_ptr())
+                    claim(storage, "temporaries", f"created in {origin.phase}", origin.module)
+            entry_alive = 0
+            for entry in self._entry.values():
+                if entry.dead_at is not None:
+                    continue
+                storage = entry.ref()
+                if storage is None or storage.data_ptr() != entry.ptr or storage.nbytes() != entry.nbytes:
+                    entry.dead_at = index
+                    continue
+                entry_alive += entry.nbytes
+                claim(storage, "other", "alive on entry", "")
+        self.allocator.mark(index)
+        self.samples.append(Sample(
+            index=index, time=time.perf_counter() - self._start, step=self._ctx.step, phase=self._ctx.phase,
+            module=self._ctx.module, event=event, categories=categories, labels=labels, modules=modules,
+            allocated=self.allocator.now(), entry_alive=entry_alive, created_ptrs=frozenset(created_ptrs),
+        ))
+
+    def _owned(self) -> Iterable[MemoryItem]:
+        named = getattr(self.optimizer, "named_memory", None)
+        if named is not None:  # a ZeroOptimizer names its own buffers
+            yield from named()
+        elif self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        yield MemoryItem("optimizer_state", key, value)
+        for name, p in self.model.named_parameters():
+            module = self._param_modules.get(id(p), "")
+            yield MemoryItem("parameters", "whole", p, module)
+            if p.grad is not None:
+                yield MemoryItem("gradients", "whole", p.grad, module)
+        for name, b in self.model.named_buffers():
+            yield MemoryItem("other", "module buffers", b, name.rpartition(".")[0])
+
+    # ----- registries -----------------------------------------------------------------------------
+
+    def _record_created(self, out: Any) -> None:
+        ctx = self._ctx
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device.type and t.layout == torch.strided:
+                _register(self._created, t.untyped_storage(), ctx.module, ctx.phase)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.device.type != self.device.type or isinstance(t, nn.Parameter):
+            return t
+        with torch._C.DisableTorchFunctionSubclass():
+            storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self._saved.get(key)
+        if entry is None:
+            entry = self._saved[key] = _SavedStorage(weakref.ref(storage), self._ctx.module, self._ctx.phase)
+        entry.count += 1
+        return _SavedTensor(t, self._saved, key, entry)
+
+    def _find_entry_storages(self) -> None:
+        """Storages alive now (found through the garbage collector, gradients included)."""
+        self._entry.clear()
+        gc.collect()
+        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # touching deprecated objects while scanning
+            for obj in gc.get_objects():
+                try:
+                    if not isinstance(obj, torch.Tensor) or obj.device.type != self.device.type or obj.is_meta:
+                        continue
+                except ReferenceError:
+                    continue
+                for t in (obj, obj.grad if obj.is_leaf else None):
+                    if t is None or t.layout != torch.strided:
+                        continue
+                    try:
+                        storage = t.untyped_storage()
+                        ptr = storage.data_ptr()
+                    except Exception:  # tensors without real memory (fake tensors, some subclasses)
+                        continue
+                    if ptr and storage.nbytes() and storage._cdata not in self._entry:
+                        self._entry[storage._cdata] = _EntryStorage(weakref.ref(storage), ptr, storage.nbytes())
+
+    # ----- hooks ----------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(weak_hook(self._pre_forward, name)))
+            self._handles.append(module.register_forward_hook(weak_hook(self._post_forward, name)))
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, name)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(weak_hook(self._pre_step)))
+            self._handles.append(self.optimizer.register_step_post_hook(weak_hook(self._post_step)))
+
+    def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        self._ctx.stack.append(name)
+        self.sample(f"forward of {name or '<root>'} starts")
+
+    def _post_forward(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self.sample(f"forward of {name or '<root>'} ends")
+        if self._ctx.stack and self._ctx.stack[-1] == name:
+            self._ctx.stack.pop()
+        outputs = [t for t in tensors_in(output) or [] if t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(outputs, weak_hook(self._pre_backward, name), mode="any")
+
+    def _pre_backward(self, name: str, grad: torch.Tensor | None) -> None:
+        self._ctx.backward_module = name
+        self.sample(f"backward reaches {name or '<root>'}")
+
+    def _on_grad(self, name: str, param: torch.Tensor) -> None:
+        self.sample(f"gradient of {name}")
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._ctx.in_step = True
+        self.sample("optimizer step starts")
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.sample("optimizer step ends")
+        self._ctx.in_step = False
+        self._ctx.step += 1
+
+
+def _register(registry: dict[int, _Origin], storage: torch.UntypedStorage, module: str, phase: str) -> None:
+    key = storage._cdata
+    if key in registry:
+        return
+
+    def forget(_ref: weakref.ref, key: int = key) -> None:
+        if registry.get(key) is origin:
+            del registry[key]
+
+    origin = _Origin(weakref.ref(storage, forget), module, phase)
+    registry[key] = origin
+
+
+@dataclass(eq=False)
+class _SavedStorage(_Origin):
+    count: int = 0  # saved tensors on this storage that autograd still holds
+
+
+class _SavedTensor:
+    """What autograd keeps for a saved tensor while the tracker runs: the tensor itself, and a
+    count that drops when autograd releases it (after its backward, or with the graph)."""
+
+    __slots__ = ("tensor", "registry", "key", "entry")
+
+    def __init__(self, tensor: torch.Tensor, registry: dict, key: int, entry: _SavedStorage):
+        self.tensor, self.registry, self.key, self.entry = tensor, registry, key, entry
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _SavedTensor) else saved
+
+    def __del__(self) -> None:
+        self.entry.count -= 1
+        if self.entry.count == 0 and self.registry.get(self.key) is self.entry:
+            del self.registry[self.key]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    with torch._C.DisableTorchFunctionSubclass():
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.is_meta:
+                return t.device
+    return torch.device("cpu")
+
+
+def profile(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: torch.device | str | None = None,
+    every_op: bool = True,
+) -> MemoryTracker:
+    """Track device memory while ``model`` trains, by category, module and phase.
+
+    Example::
+
+        with zero.profile(model, opt) as prof:
+            for x, y in batches[:3]:
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        print(prof.report())          # table: categories at the peak and between steps
+        prof.to_json("memory.json")   # the same and the whole timeline
+        prof.plot("memory.png")       # stacked timeline and bytes per module (matplotlib)
+
+    ``optimizer`` may be a :class:`~zero.ZeroOptimizer`, which names its own buffers, or any
+    ``torch.optim`` optimizer (its ``state`` is the optimizer state). ``device`` defaults to the
+    model's. ``every_op`` samples after every operator too (exact breakdown at the peak, a few
+    times slower); otherwise only at module boundaries, gradients and optimizer steps. On CPU the
+    allocator is read through ``torch.profiler``, so the block cannot run inside another profiler.
+    """
+    return MemoryTracker(model, optimizer, device=device, every_op=every_op)
