@@ -1,4 +1,4 @@
-"""Command line: ``zero demo`` and ``zero estimate`` (also ``python -m zero ...``)."""
+"""Command line: ``zero demo``, ``zero estimate`` and ``zero report`` (also ``python -m zero ...``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from zero import demo
-from zero.profiler import estimate_cli
+from zero.profiler import estimate_cli, report_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate_cli.add_arguments(estimate_parser)
     estimate_parser.set_defaults(run=estimate_cli.main)
+    report_parser = commands.add_parser(
+        "report", help="profile a few training steps of a GPT on CPU ranks: memory by category, module and phase"
+    )
+    report_cli.add_arguments(report_parser)
+    report_parser.set_defaults(run=report_cli.main)
     return parser
 
 

@@ -4,7 +4,8 @@
 requested number of ranks; each rank trains the same model at each requested stage on
 its share of the same global batches, then rank 0 prints the losses (identical across
 stages) and each rank's parameter, gradient and optimizer-state bytes next to the
-ZeRO paper's formula.
+ZeRO paper's formula; last, the memory report (``zero.profile``) of two steps at the last stage:
+every live tensor byte by category, module and phase, reconciled with PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from zero.memory import zero_model_state_bytes
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 from zero.optimizer import ZeroOptimizer
+from zero.profiler import profile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,8 @@ def _run_rank(args: argparse.Namespace) -> int:
         losses[stage], memory[stage], numel = _train(stage, cfg, batch, args, rank, world, say)
     say(_loss_report(losses, args.stages))
     say(_memory_report(memory, numel, world))
+    say(f"\nProfiling 2 steps at stage {args.stages[-1]} (zero.profile) ...", flush=True)
+    say("\n" + _profile(args.stages[-1], cfg, batch, args, rank, world))
     dist.destroy_process_group()
     return 0
 
@@ -84,6 +88,19 @@ def _train(stage, cfg, batch, args, rank, world, say):
                 f"({time.perf_counter() - start:.1f}s)", flush=True)
     per_rank = opt.comm.all_gather_object(opt.model_state_bytes())
     return losses, per_rank, opt.partition.numel
+
+
+def _profile(stage, cfg, batch, args, rank, world) -> str:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1), model, stage=stage)
+    x, y = (local_slice(t, rank, world) for t in synthetic_batch(0, batch, cfg))
+    with profile(model, opt) as prof:
+        for _ in range(2):
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return f"Rank {rank}'s memory, stage {stage}:\n" + prof.report()
 
 
 def _loss_report(losses: dict, stages: list[int]) -> str:

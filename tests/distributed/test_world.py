@@ -17,20 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import run_world
-from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, world_checks
+from tests.distributed.worlds import SCENARIOS, STAGES, STEPS
 from zero import zero_model_state_bytes
 
-WORLD_SIZES = (1, 2, 3)
 LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
 NORM_RTOL = 1e-6
-
-
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
-def world(request):
-    world_size = request.param
-    return world_size, run_world(world_checks, world_size)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

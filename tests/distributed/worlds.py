@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.distributed.profile_world import profile_checks
 from zero import ZeroOptimizer, init_sharded
 from zero.memory import live_tensor_bytes, storage_bytes
 from zero.models import GPT, GPTConfig, init_gpt_weights, local_slice, synthetic_batch
@@ -280,7 +281,7 @@ def inference_matches(rank: int, world_size: int) -> dict:
 
 def world_checks(rank: int, world_size: int) -> dict:
     """Everything one world runs: parity runs (DDP and each stage), memory, resume, Hugging Face models,
-    and stage 3's traffic, meta initialization and inference."""
+    stage 3's traffic, meta initialization and inference, and the memory tracker's runs."""
     runs = {}
     for kind, scenario in SCENARIOS:
         if rank == 0:  # in the same process as the runs it is compared with (same threads, same kernels)
@@ -296,4 +297,5 @@ def world_checks(rank: int, world_size: int) -> dict:
         "traffic3": {keep: stage3_traffic(rank, world_size, keep) for keep in (True, False)},
         "meta_init": meta_init_matches(rank, world_size),
         "inference": inference_matches(rank, world_size),
+        "profile": profile_checks(rank, world_size),
     }

@@ -11,14 +11,12 @@
   allocated before the profiler ran; the tracker checks them itself at each sample).
 
 Buffers that the collectives allocate for themselves (gloo copies its inputs and outputs
-into buffers of its own, which live until the collective's ``wait()``) are reported by the
-allocator inside ``c10d::`` / ``gloo:`` operators; they are added to the ``communication``
-category as ``communication/collective internals``.
+into buffers of its own) are reported by the allocator inside ``c10d::`` / ``gloo:`` operators
+or on gloo's worker threads; they are added to the ``communication`` category as
+``communication/collective internals``.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict, deque
 
 import torch
 
@@ -107,10 +105,12 @@ class CpuAllocator(Allocator):
         if markers != len(samples):
             raise RuntimeError(f"zero.profile: found {markers} sample marks in the profiler's record for {len(samples)} samples")
         reused = _entries_reused(events, entries)
-        # Note: allocations and frees come from several threads (gloo's workers free their buffers),
-        # whose clocks can disagree by a little; a block handed out again at once may then appear
-        # before its previous owner's free. Blocks at one address are therefore queued, oldest first.
-        live: dict[int, deque[tuple[int, bool]]] = defaultdict(deque)
+        # Note: a block freed on one of gloo's worker threads (the last reference to a collective's
+        # buffer can die there) is not reported: the profiler does not watch that thread outside the
+        # collective itself. An allocation at an address that is still live therefore means the
+        # block there was freed: it is dropped then. Until that happens such a block still counts,
+        # as communication/collective internals.
+        live: dict[int, tuple[int, bool]] = {}
         total = internal = internal_bytes = index = 0
         entry_bytes = samples[0].entry_alive if samples else 0
         for _time, kind, ptr, size, in_collective in events:
@@ -119,44 +119,47 @@ class CpuAllocator(Allocator):
                 entry_bytes = s.entry_alive - sum(e.nbytes for e, at in reused if at <= index < _dead(e))
                 s.allocated = entry_bytes + total
                 # a collective's own buffer can surface as an operator's output: then it is a temporary
-                hidden = internal and sum(
-                    n for p, blocks in live.items() if p not in s.created_ptrs for n, own in blocks if own
-                )
+                hidden = internal and sum(n for p, (n, own) in live.items() if own and p not in s.created_ptrs)
                 if hidden:
                     s.categories["communication"] += hidden
                     s.labels["communication/collective internals"] = hidden
                     s.modules["<collectives>"] = hidden
                 self._note_peak(s.allocated, index, internal_bytes)
                 index += 1
-            elif size > 0:
-                live[ptr].append((size, in_collective))
+                continue
+            if ptr in live:  # a free, or an allocation where an unreported free happened (see the note)
+                old, was_internal = live.pop(ptr)
+                total -= old
+                internal -= was_internal
+                internal_bytes -= old if was_internal else 0
+            if size > 0:
+                live[ptr] = (size, in_collective)
                 total += size
                 internal += in_collective
                 internal_bytes += size if in_collective else 0
                 self._note_peak(entry_bytes + total, max(index - 1, 0), internal_bytes)
-            elif live.get(ptr):  # frees of blocks from before the start are not reported
-                size, was_internal = live[ptr].popleft()
-                total -= size
-                internal -= was_internal
-                internal_bytes -= size if was_internal else 0
-                if not live[ptr]:
-                    del live[ptr]
 
     def _events(self) -> list[tuple[int, int, int, int, bool]]:
-        """(time, 0 = allocation or free / 1 = sample, pointer, signed size, inside a collective), in time order."""
+        """(time, 0 = allocation or free / 1 = sample, pointer, signed size, by a collective), in time order.
+
+        A block counts as the collectives' own when it is allocated inside a collective operator or
+        on a thread that never takes samples (gloo's workers)."""
         from torch._C._profiler import _EventType
 
-        out = []
+        allocations, marks = [], []
         stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
         while stack:
             e = stack.pop()
             stack.extend(e.children)
-            if e.typed[0] == _EventType.Allocation:
-                fields = e.typed[1]
-                if fields.device.type == "cpu":
-                    out.append((e.start_time_ns, 0, fields.ptr, fields.alloc_size, _inside_collective(e)))
+            if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+                allocations.append(e)
             elif e.name == MARK:
-                out.append((e.start_time_ns, 1, 0, 0, False))
+                marks.append(e)
+        sampling_threads = {e.start_tid for e in marks}
+        out = [(e.start_time_ns, 1, 0, 0, False) for e in marks]
+        for e in allocations:
+            own = e.start_tid not in sampling_threads or _inside_collective(e)
+            out.append((e.start_time_ns, 0, e.typed[1].ptr, e.typed[1].alloc_size, own))
         out.sort(key=lambda x: (x[0], x[1]))
         return out
 

@@ -152,7 +152,7 @@ class MemoryTracker:
         self.every_op = every_op
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.samples: list[Sample] = []
-        self.allocator: Allocator | None = None
+        self.allocator: Allocator = make_allocator(self.device)
         self._ctx = _Context()
         self._created: dict[int, _Origin] = {}
         self._saved: dict[int, _Origin] = {}
@@ -171,7 +171,6 @@ class MemoryTracker:
         self._active = True
         self._start = time.perf_counter()
         self._find_entry_storages()
-        self.allocator = make_allocator(self.device)
         self.allocator.start()
         self._install_hooks()
         saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack)
@@ -196,6 +195,11 @@ class MemoryTracker:
             self._active = False
             self.allocator.stop()
         self.allocator.reconcile(self.samples, list(self._entry.values()))
+        # a finished profile keeps its numbers, not the model, the optimizer or any storage
+        self.model = self.optimizer = None
+        self._created.clear()
+        self._saved.clear()
+        self._entry.clear()
 
     # ----- results ----------------------------------------------------------------------------------
 
