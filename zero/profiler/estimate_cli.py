@@ -53,7 +53,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
     for e, why in sorted(result.rejected, key=lambda r: r[0].peak)[: args.show]:
         print(f"  {_label(e):<44} {why}")
-    notes = sorted({n for e in result.fits + [r[0] for r in result.rejected] for n in e.notes})
+    everything = result.fits + [r[0] for r in result.rejected]
+    if any(e.moment != "start of backward" for e in everything):
+        print("* peaks while a bucket's gradients are reduced, not at the start of backward")
+    notes = sorted({n for e in everything for n in e.notes})
     for note in notes:
         print(f"note: {note}")
     if args.json:
@@ -66,7 +69,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _label(e: Estimate) -> str:
     extras = [x for x, on in (("checkpointing", e.checkpointing), ("offload", e.offload)) if on]
-    return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
+    label = f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
+    return label + (" *" if e.moment != "start of backward" else "")
 
 
 def _table(rows: list[Estimate]) -> None:

@@ -27,8 +27,9 @@ import gc
 import time
 import warnings
 import weakref
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -158,8 +159,7 @@ class MemoryTracker:
         self._saved: dict[int, _Origin] = {}
         self._entry: dict[int, _EntryStorage] = {}
         self._param_modules = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
-        self._handles: list[Any] = []
-        self._exits: list[Callable[[], None]] = []
+        self._exits = ExitStack()  # what __exit__ undoes: hooks, saved-tensor hooks, the dispatch mode
         self._start = 0.0
         self._active = False
 
@@ -173,12 +173,8 @@ class MemoryTracker:
         self._find_entry_storages()
         self.allocator.start()
         self._install_hooks()
-        saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack)
-        saved.__enter__()
-        self._exits.append(lambda: saved.__exit__(None, None, None))
-        mode = _Creations(self)
-        mode.__enter__()
-        self._exits.append(lambda: mode.__exit__(None, None, None))
+        self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack))
+        self._exits.enter_context(_Creations(self))
         self.sample("start")
         return self
 
@@ -186,12 +182,7 @@ class MemoryTracker:
         try:
             self.sample("end")
         finally:
-            for leave in reversed(self._exits):
-                leave()
-            self._exits.clear()
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+            self._exits.close()
             self._active = False
             self.allocator.stop()
         self.allocator.reconcile(self.samples, list(self._entry.values()))
@@ -340,15 +331,18 @@ class MemoryTracker:
     # ----- hooks ----------------------------------------------------------------------------------
 
     def _install_hooks(self) -> None:
+        handles = []
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(weak_hook(self._pre_forward, name)))
-            self._handles.append(module.register_forward_hook(weak_hook(self._post_forward, name)))
+            handles.append(module.register_forward_pre_hook(weak_hook(self._pre_forward, name)))
+            handles.append(module.register_forward_hook(weak_hook(self._post_forward, name)))
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, name)))
+                handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, name)))
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(weak_hook(self._pre_step)))
-            self._handles.append(self.optimizer.register_step_post_hook(weak_hook(self._post_step)))
+            handles.append(self.optimizer.register_step_pre_hook(weak_hook(self._pre_step)))
+            handles.append(self.optimizer.register_step_post_hook(weak_hook(self._post_step)))
+        for handle in handles:
+            self._exits.callback(handle.remove)
 
     def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
         self._ctx.stack.append(name)
