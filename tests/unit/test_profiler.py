@@ -114,3 +114,42 @@ def test_zero_report_command_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 1/1" in out.stdout and "allocator total" in out.stdout and "estimated peak" in out.stdout
     assert json.loads((tmp_path / "r.json").read_text())["steps"] == 1
+
+
+def test_nothing_is_left_behind_by_odd_blocks():
+    """Review findings: each of these once crashed, leaked or mislabelled later samples."""
+    from zero.memory import live_tensor_bytes
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = synthetic_batch(0, 4, TINY)
+    # a graph built inside the block and run backward after it
+    with zero.profile(model, opt, every_op=False):
+        loss = model.loss(x, y)
+    loss.backward()
+    del loss
+    opt.zero_grad()  # (gradients that Python never touched are invisible to live_tensor_bytes)
+    # a forward-only block leaks nothing (saved tensors are not tied to their grad_fn)
+    gc.collect()
+    before = live_tensor_bytes()
+    for _ in range(2):
+        with zero.profile(model, opt, every_op=False):
+            model.loss(x, y)
+    gc.collect()
+    assert live_tensor_bytes() == before
+    # a forward that raises inside the block leaves the module stack clean
+    with zero.profile(model, opt, every_op=False) as prof:
+        with pytest.raises(Exception):
+            model.loss(x.float(), y)
+        model.loss(x, y).backward()
+        opt.step()
+    assert prof.samples[-1].phase == "idle" and prof.samples[-1].module == ""
+    # a failure while entering leaves no recording running and no hooks installed
+    with torch.autograd.graph.disable_saved_tensors_hooks("not now"):
+        with pytest.raises(RuntimeError, match="not now"):
+            with zero.profile(model, opt):
+                pass
+    with zero.profile(model, opt, every_op=False) as prof:
+        model.loss(x, y).backward()
+    assert prof.samples

@@ -32,7 +32,6 @@ class Allocator:
     def __init__(self, device: torch.device):
         self.device = device
         self.peak = 0
-        self.peak_index = 0  # the sample at, or just before, the peak
         # the peak of what PyTorch's own code holds: without the buffers collectives allocate
         # for themselves (gloo's; NCCL's are outside the allocator), freed at times that vary
         self.peak_without_collectives = 0
@@ -51,9 +50,8 @@ class Allocator:
 
     def reconcile(self, samples: list, entries: list) -> None: ...
 
-    def _note_peak(self, value: int, index: int, collectives: int = 0) -> None:
-        if value > self.peak:
-            self.peak, self.peak_index = value, index
+    def _note_peak(self, value: int, collectives: int = 0) -> None:
+        self.peak = max(self.peak, value)
         self.peak_without_collectives = max(self.peak_without_collectives, value - collectives)
 
 
@@ -65,11 +63,10 @@ class CudaAllocator(Allocator):
 
     def start(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._last_index = 0
 
     def mark(self, index: int) -> None:
         # the highest point since the previous sample, then a fresh counter for the next interval
-        self._note_peak(torch.cuda.max_memory_allocated(self.device), max(index - 1, 0))
+        self._note_peak(torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def now(self) -> int:
@@ -77,7 +74,7 @@ class CudaAllocator(Allocator):
 
     def reconcile(self, samples: list, entries: list) -> None:
         for s in samples:
-            self._note_peak(s.allocated, s.index)
+            self._note_peak(s.allocated)
 
 
 class CpuAllocator(Allocator):
@@ -124,7 +121,7 @@ class CpuAllocator(Allocator):
                     s.categories["communication"] += hidden
                     s.labels["communication/collective internals"] = hidden
                     s.modules["<collectives>"] = hidden
-                self._note_peak(s.allocated, index, internal_bytes)
+                self._note_peak(s.allocated, internal_bytes)
                 index += 1
                 continue
             if ptr in live:  # a free, or an allocation where an unreported free happened (see the note)
@@ -137,7 +134,7 @@ class CpuAllocator(Allocator):
                 total += size
                 internal += in_collective
                 internal_bytes += size if in_collective else 0
-                self._note_peak(entry_bytes + total, max(index - 1, 0), internal_bytes)
+                self._note_peak(entry_bytes + total, internal_bytes)
 
     def _events(self) -> list[tuple[int, int, int, int, bool]]:
         """(time, 0 = allocation or free / 1 = sample, pointer, signed size, by a collective), in time order.

@@ -48,7 +48,7 @@ def table(tracker: "MemoryTracker") -> str:
     lines = [
         f"Memory on {tracker.device} ({len(samples)} samples, {tracker.steps} optimizer steps); "
         f"reconciled with {tracker.allocator.name}",
-        f"peak {peak.allocated / MiB:.2f} MiB at step {peak.step + 1}, {peak.phase}, "
+        f"peak {peak.allocated / MiB:.2f} MiB after {peak.step} optimizer steps, in {peak.phase}, "
         f"{peak.module or 'outside modules'}: {peak.event}",
     ]
     if tracker.allocator.peak > peak.allocated:

@@ -152,6 +152,8 @@ class MemoryTracker:
         self.optimizer = optimizer
         self.every_op = every_op
         self.device = torch.device(device) if device is not None else _model_device(model)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.samples: list[Sample] = []
         self.allocator: Allocator = make_allocator(self.device)
         self._ctx = _Context()
@@ -171,26 +173,36 @@ class MemoryTracker:
         self._active = True
         self._start = time.perf_counter()
         self._find_entry_storages()
-        self.allocator.start()
-        self._install_hooks()
-        self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack))
-        self._exits.enter_context(_Creations(self))
-        self.sample("start")
+        try:
+            self.allocator.start()
+            self._exits.callback(self.allocator.stop)
+            self._install_hooks()
+            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack))
+            self._exits.enter_context(_Creations(self))
+            self.sample("start")
+        except BaseException:
+            self._exits.close()
+            self._active = False
+            raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         try:
             self.sample("end")
         finally:
-            self._exits.close()
+            self._exits.close()  # hooks, saved-tensor hooks, the dispatch mode, the allocator's recording
             self._active = False
-            self.allocator.stop()
-        self.allocator.reconcile(self.samples, list(self._entry.values()))
-        # a finished profile keeps its numbers, not the model, the optimizer or any storage
-        self.model = self.optimizer = None
-        self._created.clear()
-        self._saved.clear()
-        self._entry.clear()
+        try:
+            self.allocator.reconcile(self.samples, list(self._entry.values()))
+        except Exception:
+            if exc_type is None:  # never hide the error that ended the block
+                raise
+        finally:
+            # a finished profile keeps its numbers, not the model, the optimizer or any storage
+            self.model = self.optimizer = None
+            self._created.clear()
+            self._saved.clear()
+            self._entry.clear()
 
     # ----- results ----------------------------------------------------------------------------------
 
@@ -220,6 +232,8 @@ class MemoryTracker:
 
     def sample(self, event: str) -> None:
         """Record live bytes now (also called by the hooks); ``event`` says what happened."""
+        if not self._active:  # a hook left on a graph built inside the block, run after it
+            return
         categories = dict.fromkeys(CATEGORIES, 0)
         labels: dict[str, int] = {}
         modules: dict[str, int] = {}
@@ -229,7 +243,7 @@ class MemoryTracker:
 
         def claim(storage: torch.UntypedStorage, category: str, label: str, module: str) -> None:
             key = storage._cdata
-            if key in seen or storage.device.type != self.device.type:
+            if key in seen or storage.device != self.device:
                 return
             seen.add(key)
             nbytes = size(storage.nbytes())
@@ -303,7 +317,9 @@ class MemoryTracker:
         if entry is None:
             entry = self._saved[key] = _SavedStorage(weakref.ref(storage), self._ctx.module, self._ctx.phase)
         entry.count += 1
-        return _SavedTensor(t, self._saved, key, entry)
+        # detached: holding the tensor itself would tie a saved output to its own grad_fn in a cycle
+        # through C++ that the garbage collector cannot free (autograd re-attaches it on unpack)
+        return _SavedTensor(t.detach(), self._saved, key, entry)
 
     def _find_entry_storages(self) -> None:
         """Storages alive now (found through the garbage collector, gradients included)."""
@@ -331,20 +347,20 @@ class MemoryTracker:
     # ----- hooks ----------------------------------------------------------------------------------
 
     def _install_hooks(self) -> None:
-        handles = []
+        add = self._exits.callback
         for name, module in self.model.named_modules():
-            handles.append(module.register_forward_pre_hook(weak_hook(self._pre_forward, name)))
-            handles.append(module.register_forward_hook(weak_hook(self._post_forward, name)))
+            add(module.register_forward_pre_hook(weak_hook(self._pre_forward, name)).remove)
+            # always_call: a forward that raises still leaves the module
+            add(module.register_forward_hook(weak_hook(self._post_forward, name), always_call=True).remove)
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, name)))
+                add(p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, name)).remove)
         if self.optimizer is not None:
-            handles.append(self.optimizer.register_step_pre_hook(weak_hook(self._pre_step)))
-            handles.append(self.optimizer.register_step_post_hook(weak_hook(self._post_step)))
-        for handle in handles:
-            self._exits.callback(handle.remove)
+            add(self.optimizer.register_step_pre_hook(weak_hook(self._pre_step)).remove)
+            add(self.optimizer.register_step_post_hook(weak_hook(self._post_step)).remove)
 
     def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        self._ctx.in_step = False  # (a step that raised never ran its post-hook)
         self._ctx.stack.append(name)
         self.sample(f"forward of {name or '<root>'} starts")
 
