@@ -8,10 +8,15 @@ figure that categories are checked against.
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+
+
+# what the memory profiler sorts every live byte into (zero.profile)
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other")
 
 
 @dataclass(frozen=True)
@@ -55,18 +60,24 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def live_tensor_bytes(device: str | torch.device = "cpu") -> int:
-    """Bytes of every distinct live tensor storage on ``device`` that Python can reach."""
+def live_tensors(device: str | torch.device = "cpu") -> Iterator[torch.Tensor]:
+    """Every live tensor on ``device``'s type that Python can reach (after a garbage collection).
+    Gradients that Python never touched have no Python object and are not among them."""
     device = torch.device(device)
     gc.collect()
-    tensors = []
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == device.type and not obj.is_meta:
-                tensors.append(obj)
-        except ReferenceError:  # weak proxies
-            continue
-    return storage_bytes(tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() touches deprecated module attributes
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == device.type and not obj.is_meta:
+                    yield obj
+            except ReferenceError:  # weak proxies
+                continue
+
+
+def live_tensor_bytes(device: str | torch.device = "cpu") -> int:
+    """Bytes of every distinct live tensor storage on ``device`` that Python can reach."""
+    return storage_bytes(list(live_tensors(device)))
 
 
 def zero_model_state_bytes(

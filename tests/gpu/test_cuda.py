@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import copy
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, synthetic_batch
@@ -17,15 +14,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-@pytest.fixture
-def nccl_world_of_one():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

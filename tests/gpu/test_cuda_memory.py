@@ -6,12 +6,9 @@ estimator's peak is within 5% of ``torch.cuda.max_memory_allocated`` at stages 0
 
 from __future__ import annotations
 
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zero
 from zero.models import GPT, GPTConfig, synthetic_batch
@@ -21,15 +18,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CFG = GPTConfig(vocab_size=8192, seq_len=512, d_model=512, num_layers=6, num_heads=8)
 MICRO_BATCH = 8
-
-
-@pytest.fixture
-def nccl_world_of_one():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29532")
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -108,7 +108,7 @@ class CpuAllocator(Allocator):
         # block there was freed: it is dropped then. Until that happens such a block still counts,
         # as communication/collective internals.
         live: dict[int, tuple[int, bool]] = {}
-        total = internal = internal_bytes = index = 0
+        total = internal_bytes = index = 0
         entry_bytes = samples[0].entry_alive if samples else 0
         for _time, kind, ptr, size, in_collective in events:
             if kind == 1:  # a sample
@@ -116,7 +116,7 @@ class CpuAllocator(Allocator):
                 entry_bytes = s.entry_alive - sum(e.nbytes for e, at in reused if at <= index < _dead(e))
                 s.allocated = entry_bytes + total
                 # a collective's own buffer can surface as an operator's output: then it is a temporary
-                hidden = internal and sum(n for p, (n, own) in live.items() if own and p not in s.created_ptrs)
+                hidden = internal_bytes and sum(n for p, (n, own) in live.items() if own and p not in s.created_ptrs)
                 if hidden:
                     s.categories["communication"] += hidden
                     s.labels["communication/collective internals"] = hidden
@@ -127,12 +127,10 @@ class CpuAllocator(Allocator):
             if ptr in live:  # a free, or an allocation where an unreported free happened (see the note)
                 old, was_internal = live.pop(ptr)
                 total -= old
-                internal -= was_internal
                 internal_bytes -= old if was_internal else 0
             if size > 0:
                 live[ptr] = (size, in_collective)
                 total += size
-                internal += in_collective
                 internal_bytes += size if in_collective else 0
                 self._note_peak(entry_bytes + total, internal_bytes)
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from zero.memory import CATEGORIES
+
 if TYPE_CHECKING:
     from zero.profiler.tracker import MemoryTracker, Sample
 
 MiB = 2**20
-COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other")
 
 
 def peak_sample(tracker: "MemoryTracker") -> "Sample":
@@ -54,7 +55,7 @@ def table(tracker: "MemoryTracker") -> str:
     if tracker.allocator.peak > peak.allocated:
         lines.append(f"  (the allocator's maximum, inside an operator after that sample: {tracker.allocator.peak / MiB:.2f} MiB)")
     lines += ["", f"{'category':<18}{'at peak':>12}{'between steps':>15}{'max':>12}   (MiB)"]
-    for c in COLUMNS:
+    for c in CATEGORIES:
         at_rest = f"{rest.categories[c] / MiB:>15.2f}" if rest is not None else f"{'-':>15}"
         top = max(s.categories[c] for s in samples)
         lines.append(f"{c:<18}{peak.categories[c] / MiB:>12.2f}{at_rest}{top / MiB:>12.2f}")
@@ -94,14 +95,14 @@ def as_dict(tracker: "MemoryTracker") -> dict[str, Any]:
         "allocator_peak": tracker.allocator.peak,
         "peak": breakdown(peak),
         "between_steps": breakdown(rest) if rest is not None else None,
-        "categories": list(COLUMNS),
+        "categories": list(CATEGORIES),
         "timeline": {
             "time": [round(s.time, 6) for s in tracker.samples],
             "step": [s.step for s in tracker.samples],
             "phase": [s.phase for s in tracker.samples],
             "module": [s.module for s in tracker.samples],
             "allocated": [s.allocated for s in tracker.samples],
-            **{c: [s.categories[c] for s in tracker.samples] for c in COLUMNS},
+            **{c: [s.categories[c] for s in tracker.samples] for c in CATEGORIES},
         },
     }
 
@@ -127,7 +128,7 @@ def plot(tracker: "MemoryTracker", path: str) -> None:
     peak = peak_sample(tracker)
     fig, (timeline, bars) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
     x = list(range(len(samples)))
-    timeline.stackplot(x, *[[s.categories[c] / MiB for s in samples] for c in COLUMNS], labels=COLUMNS)
+    timeline.stackplot(x, *[[s.categories[c] / MiB for s in samples] for c in CATEGORIES], labels=CATEGORIES)
     timeline.plot(x, [s.allocated / MiB for s in samples], color="black", linewidth=0.8, label="allocator")
     timeline.axvline(peak.index, color="red", linestyle=":", linewidth=1)
     for s in samples:

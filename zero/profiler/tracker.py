@@ -23,10 +23,7 @@ whatever it holds that no category explains is reported as ``unexplained``.
 
 from __future__ import annotations
 
-import gc
 import time
-import warnings
-import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -36,16 +33,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zero.memory import MemoryItem
+from zero.memory import CATEGORIES, MemoryItem
 from zero.outputs import tensors_in
 from zero.profiler import report
 from zero.profiler.allocator import Allocator, make_allocator
+from zero.profiler.storages import EntryStorage, Origin, SavedStorage, SavedTensor, entry_storages, register
 from zero.weak import weak_hook
 
-CATEGORIES = (
-    "parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other",
-)
-PHASES = ("forward", "backward", "step", "idle")
 
 
 @dataclass
@@ -72,21 +66,6 @@ class Sample:
     @property
     def unexplained(self) -> int:
         return self.allocated - self.total
-
-
-@dataclass
-class _Origin:
-    ref: weakref.ref
-    module: str
-    phase: str
-
-
-@dataclass(eq=False)  # hashed by identity
-class _EntryStorage:
-    ref: weakref.ref
-    ptr: int
-    nbytes: int
-    dead_at: int | None = None  # first sample that found it freed or resized
 
 
 class _Context:
@@ -157,9 +136,9 @@ class MemoryTracker:
         self.samples: list[Sample] = []
         self.allocator: Allocator = make_allocator(self.device)
         self._ctx = _Context()
-        self._created: dict[int, _Origin] = {}
-        self._saved: dict[int, _Origin] = {}
-        self._entry: dict[int, _EntryStorage] = {}
+        self._created: dict[int, Origin] = {}
+        self._saved: dict[int, SavedStorage] = {}
+        self._entry: dict[int, EntryStorage] = {}
         self._param_modules = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
         self._exits = ExitStack()  # what __exit__ undoes: hooks, saved-tensor hooks, the dispatch mode
         self._start = 0.0
@@ -172,12 +151,12 @@ class MemoryTracker:
             raise ValueError("a memory tracker records one run; make a new one with zero.profile()")
         self._active = True
         self._start = time.perf_counter()
-        self._find_entry_storages()
+        self._entry = entry_storages(self.device)
         try:
             self.allocator.start()
             self._exits.callback(self.allocator.stop)
             self._install_hooks()
-            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedTensor.unpack))
+            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, SavedTensor.unpack))
             self._exits.enter_context(_Creations(self))
             self.sample("start")
         except BaseException:
@@ -305,44 +284,12 @@ class MemoryTracker:
         ctx = self._ctx
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device.type and t.layout == torch.strided:
-                _register(self._created, t.untyped_storage(), ctx.module, ctx.phase)
+                register(self._created, t.untyped_storage(), ctx.module, ctx.phase)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device.type != self.device.type or isinstance(t, nn.Parameter):
             return t
-        with torch._C.DisableTorchFunctionSubclass():
-            storage = t.untyped_storage()
-        key = storage._cdata
-        entry = self._saved.get(key)
-        if entry is None:
-            entry = self._saved[key] = _SavedStorage(weakref.ref(storage), self._ctx.module, self._ctx.phase)
-        entry.count += 1
-        # detached: holding the tensor itself would tie a saved output to its own grad_fn in a cycle
-        # through C++ that the garbage collector cannot free (autograd re-attaches it on unpack)
-        return _SavedTensor(t.detach(), self._saved, key, entry)
-
-    def _find_entry_storages(self) -> None:
-        """Storages alive now (found through the garbage collector, gradients included)."""
-        self._entry.clear()
-        gc.collect()
-        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # touching deprecated objects while scanning
-            for obj in gc.get_objects():
-                try:
-                    if not isinstance(obj, torch.Tensor) or obj.device.type != self.device.type or obj.is_meta:
-                        continue
-                except ReferenceError:
-                    continue
-                for t in (obj, obj.grad if obj.is_leaf else None):
-                    if t is None or t.layout != torch.strided:
-                        continue
-                    try:
-                        storage = t.untyped_storage()
-                        ptr = storage.data_ptr()
-                    except Exception:  # tensors without real memory (fake tensors, some subclasses)
-                        continue
-                    if ptr and storage.nbytes() and storage._cdata not in self._entry:
-                        self._entry[storage._cdata] = _EntryStorage(weakref.ref(storage), ptr, storage.nbytes())
+        return SavedTensor(t, self._saved, self._ctx.module, self._ctx.phase)
 
     # ----- hooks ----------------------------------------------------------------------------------
 
@@ -387,43 +334,6 @@ class MemoryTracker:
         self.sample("optimizer step ends")
         self._ctx.in_step = False
         self._ctx.step += 1
-
-
-def _register(registry: dict[int, _Origin], storage: torch.UntypedStorage, module: str, phase: str) -> None:
-    key = storage._cdata
-    if key in registry:
-        return
-
-    def forget(_ref: weakref.ref, key: int = key) -> None:
-        if registry.get(key) is origin:
-            del registry[key]
-
-    origin = _Origin(weakref.ref(storage, forget), module, phase)
-    registry[key] = origin
-
-
-@dataclass(eq=False)
-class _SavedStorage(_Origin):
-    count: int = 0  # saved tensors on this storage that autograd still holds
-
-
-class _SavedTensor:
-    """What autograd keeps for a saved tensor while the tracker runs: the tensor itself, and a
-    count that drops when autograd releases it (after its backward, or with the graph)."""
-
-    __slots__ = ("tensor", "registry", "key", "entry")
-
-    def __init__(self, tensor: torch.Tensor, registry: dict, key: int, entry: _SavedStorage):
-        self.tensor, self.registry, self.key, self.entry = tensor, registry, key, entry
-
-    @staticmethod
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _SavedTensor) else saved
-
-    def __del__(self) -> None:
-        self.entry.count -= 1
-        if self.entry.count == 0 and self.registry.get(self.key) is self.entry:
-            del self.registry[self.key]
 
 
 def _model_device(model: nn.Module) -> torch.device:
