@@ -2,11 +2,14 @@
 
 Every collective goes through a :class:`Communicator`, which
 
+* checks that every tensor it sends lives on its ``device`` (the one the backend moves);
 * counts payload elements and bytes per collective kind, for the current step
   and for the last completed one (``CommStats``);
 * returns a :class:`Handle` whose ``wait()`` carries a timeout and turns a timeout
-  or a dead peer into an error that says which collective was waiting and why;
-* takes a fast path at world size 1 (no process group needed, nothing sent).
+  or a dead peer into an error that says which collective was waiting and why, after
+  aborting the process group so that the process can exit;
+* takes a fast path at world size 1 (no process group needed, nothing sent), unless
+  ``force_collectives`` asks for real collectives in a world of one.
 
 Payload conventions (the ZeRO paper's): a reduce-scatter's payload is its input,
 an all-gather's its output, an all-reduce's and a broadcast's their tensor.
@@ -14,10 +17,13 @@ an all-gather's its output, an all-reduce's and a broadcast's their tensor.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,12 +61,18 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` raises a descriptive error on timeout."""
+    """An in-flight collective; ``wait()`` raises a descriptive error on timeout.
 
-    def __init__(self, work: Any, what: str, timeout: datetime.timedelta):
+    ``on_failure`` runs before that error is raised (the communicator aborts its group).
+    """
+
+    def __init__(
+        self, work: Any, what: str, timeout: datetime.timedelta, on_failure: Callable[[], None] | None = None
+    ):
         self._work = work
         self.what = what
         self._timeout = timeout
+        self._on_failure = on_failure
 
     def wait(self) -> None:
         if self._work is None:
@@ -69,41 +81,127 @@ class Handle:
         try:
             work.wait(timeout=self._timeout)
         except RuntimeError as err:
+            if self._on_failure is not None:
+                self._on_failure()
             raise RuntimeError(
                 f"zero: {self.what} did not complete within {self._timeout.total_seconds():.0f}s ({err}). "
                 "A rank may have died, or ranks took different paths (a different number of backward "
                 "passes, steps or clip_grad_norm_ calls, or different models). Check every rank's log; "
-                "raise ZeroConfig.timeout_s if a step is simply slow."
+                "raise ZeroConfig.timeout_s if a step is simply slow. The process group was aborted so "
+                "that this process can exit; later collectives on it will fail."
             ) from err
 
 
-class Communicator:
-    """Collectives over one process group, or none at all (world size 1)."""
+def _abort_group(group: dist.ProcessGroup) -> None:
+    """Abort ``group`` after a failed collective, so that the process can exit.
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
+    ``ProcessGroup.abort()`` (public) aborts NCCL's communicators, but gloo's is a no-op
+    (torch 2.13): its worker thread stays blocked in the failed collective until the group's
+    own timeout (30 min by default), and the group's destructor joins that thread, so
+    ``destroy_process_group()`` or interpreter exit would wait that long. One reference to
+    the group that is never released keeps that destructor from running, and the process
+    exits at once. (``distributed_c10d._abort_process_group`` does no better for gloo.)
+    """
+    with contextlib.suppress(RuntimeError):  # a backend that cannot abort: the error to raise is the caller's
+        group.abort()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def _resolve_device(device: torch.device | str | None, backend: str) -> torch.device:
+    """The device a communicator sends from: ``device``, else the current GPU with NCCL, else the CPU."""
+    if device is None:
+        device = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"the process group's backend is nccl, which moves only CUDA tensors, but the device is {device}. "
+            "Move the model to the GPU (model.cuda()) before wrapping it, or use the gloo backend for CPU training."
+        )
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_launcher_world() -> None:
+    """Refuse world size 1 when a launcher (torchrun) started several processes."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(
+            f"this script runs under a launcher with WORLD_SIZE={world} but never called "
+            "torch.distributed.init_process_group(), so every rank would train its own unrelated model. "
+            "Call torch.distributed.init_process_group() before building the ZeroOptimizer, or pass process_group=."
+        )
+
+
+class Communicator:
+    """Collectives over one process group, or none at all (world size 1).
+
+    ``device``: where every tensor sent must live (default: the current GPU with NCCL, else
+    the CPU). ``force_collectives``: issue real collectives even in a world of one.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = 600.0,
+        *,
+        device: torch.device | str | None = None,
+        force_collectives: bool = False,
+    ):
         initialized = dist.is_available() and dist.is_initialized()
         if group is None and initialized:
             group = dist.group.WORLD
+        if group is None:
+            _check_launcher_world()
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = _resolve_device(device, self.backend)
+        self.force_collectives = force_collectives
+        self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
 
     def __repr__(self) -> str:
-        return f"Communicator(rank={self.rank}, world_size={self.world_size})"
+        return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device})"
 
     @property
     def backend(self) -> str:
         """The process group's backend (``"nccl"``, ``"gloo"``, ...), or ``"none"`` without one."""
         return str(dist.get_backend(self.group)) if self.group is not None else "none"
 
+    @property
+    def skips_collectives(self) -> bool:
+        """True when collectives are local no-ops: no group, or a world of one not forced to send."""
+        return self.group is None or (self.world_size == 1 and not self.force_collectives)
+
     def _handle(self, work: Any, what: str) -> Handle:
-        return Handle(work, what, self.timeout)
+        return Handle(work, what, self.timeout, self._abort if work is not None else None)
+
+    def _abort(self) -> None:
+        self.aborted = True
+        _abort_group(self.group)
+
+    def _check(self, what: str, *tensors: torch.Tensor) -> None:
+        """Raise unless the group is usable and every tensor is on this communicator's device."""
+        if self.aborted:
+            raise RuntimeError(
+                f"zero: cannot run {what}: the process group was aborted after an earlier collective failed "
+                "(see that error); restart the job."
+            )
+        for tensor in tensors:
+            dev = tensor.device
+            if dev.type != self.device.type or (self.device.index is not None and dev.index != self.device.index):
+                raise ValueError(
+                    f"zero: {what} got a tensor on {dev}, but this communicator sends tensors on {self.device} "
+                    f"(backend {self.backend}). Keep the model on one device and pass that device "
+                    "(ZeroOptimizer(device=...) or Communicator(device=...))."
+                )
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str = "all-reduce") -> Handle:
         """In-place all-reduce (``op`` is ``"sum"`` or ``"max"``)."""
-        if self.world_size == 1:
+        self._check(what, tensor)
+        if self.skips_collectives:
             return self._handle(None, what)
         self.stats.record("all_reduce", tensor)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
@@ -114,8 +212,9 @@ class Communicator:
 
         ``output`` may be this rank's chunk of ``input`` itself (in place).
         """
+        self._check(what, output, input)
         assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
-        if self.world_size == 1:
+        if self.skips_collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
@@ -125,8 +224,9 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather") -> Handle:
         """Concatenate every rank's ``input`` into ``output`` (1D); ``input`` may alias its chunk of ``output``."""
+        self._check(what, output, input)
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
-        if self.world_size == 1:
+        if self.skips_collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
@@ -136,7 +236,8 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str = "broadcast") -> Handle:
         """Overwrite ``tensor`` with group rank ``src``'s copy."""
-        if self.world_size == 1:
+        self._check(what, tensor)
+        if self.skips_collectives:
             return self._handle(None, what)
         self.stats.record("broadcast", tensor)
         global_src = dist.get_global_rank(self.group, src)
@@ -144,7 +245,7 @@ class Communicator:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors)."""
-        if self.world_size == 1:
+        if self.skips_collectives:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)

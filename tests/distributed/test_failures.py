@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.distributed.harness import run_world
 from zero import ZeroOptimizer
+from zero.comm import Communicator
 
 
 def _one_rank_skips_backward(rank: int, world_size: int) -> str:
@@ -76,3 +85,68 @@ def test_stage3_ranks_running_different_units_fail_with_a_clear_error():
         assert float(seconds) < 7, result
         assert "different stage-3 units" in text or re.search(r"all-gather of bucket \d+ .*within 3s", text), text
         assert "different paths" in text or "control flow" in text, text
+
+
+def _frozen_peer_rank(rank: int, port: int) -> None:
+    """One rank of a two-rank gloo world whose rank 1 freezes (SIGSTOP) after a first collective.
+
+    Rank 0 then waits on an all-reduce that can never complete; its error must end the process
+    (teardown in ``finally`` as a torchrun script does it), not leave it hanging on the frozen peer.
+    """
+    torch.set_num_threads(1)
+    address, timeout = f"tcp://127.0.0.1:{port}", datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2, timeout=timeout)
+    try:
+        comm = Communicator(timeout_s=3)
+        comm.all_reduce(torch.ones(4), what="the first all-reduce").wait()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)
+        print(f"issuing at {time.time()}", flush=True)
+        tensor = torch.ones(4)
+        try:
+            comm.all_reduce(tensor, what="the all-reduce with a frozen peer").wait()
+        except RuntimeError:
+            try:
+                comm.broadcast(tensor, what="a later broadcast")
+            except RuntimeError as later:
+                print(f"later: {later}", flush=True)
+            raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_timeout_on_a_frozen_peer_lets_the_process_exit(tmp_path):
+    """A frozen peer (stopped, not dead, so no connection closes) must not keep the survivor in
+    process-group teardown until gloo's own 60 s timeout: under torchrun that is a hung job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    code = f"import sys, tests.distributed.test_failures as t; t._frozen_peer_rank(int(sys.argv[1]), {port})"
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as out:
+                command = [sys.executable, "-c", code, str(rank)]
+                procs.append(subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT))
+        try:
+            returncode = procs[0].wait(timeout=25)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rank 0 did not exit:\n" + logs[0].read_text()) from None
+        exited = time.time()
+        output = logs[0].read_text()
+        assert procs[1].poll() is None, logs[1].read_text()  # still frozen, never dead
+    finally:
+        for proc in procs:
+            proc.kill()  # SIGKILL ends a stopped process too
+            proc.wait(timeout=10)
+    issued = float(re.search(r"issuing at ([\d.]+)", output).group(1))
+    assert returncode != 0, output
+    assert exited - issued < 3 + 4, (exited - issued, output)  # the 3 s timeout, then a prompt exit
+    assert "the all-reduce with a frozen peer did not complete within 3s" in output, output
+    assert "The process group was aborted" in output, output
+    assert "later: zero: cannot run a later broadcast: the process group was aborted" in output, output

@@ -1,0 +1,128 @@
+"""The communicator: launcher without a process group, tensor devices, real collectives in a world of one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import run_world
+from zero.comm import Communicator, _resolve_device
+
+
+@pytest.fixture(autouse=True)
+def no_process_group(monkeypatch):
+    assert not dist.is_initialized()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+# ----- a launcher without a process group ------------------------------------------------------------------
+
+
+def test_launcher_world_without_process_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 but never called torch.distributed.init_process_group"):
+        Communicator()
+
+
+@pytest.mark.parametrize("world", ["1", ""])
+def test_launcher_world_of_one_runs_without_process_group(monkeypatch, world):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert Communicator().world_size == 1
+
+
+# ----- devices -----------------------------------------------------------------------------------------------
+
+
+def test_device_defaults_to_the_cpu_without_nccl():
+    comm = Communicator()
+    assert comm.device == torch.device("cpu")
+    assert comm.skips_collectives and not comm.force_collectives
+    assert Communicator(device="meta").device == torch.device("meta")
+
+
+def test_forcing_collectives_needs_a_process_group():
+    comm = Communicator(force_collectives=True)
+    assert comm.force_collectives and comm.skips_collectives  # nothing to send through
+    comm.all_reduce(torch.ones(2)).wait()
+    assert comm.stats.as_dict("current") == {}
+
+
+def test_nccl_refuses_a_device_that_is_not_cuda():
+    with pytest.raises(ValueError, match=r"nccl, which moves only CUDA tensors, but the device is cpu\. Move"):
+        _resolve_device("cpu", "nccl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_defaults_to_the_current_gpu_with_its_index():
+    assert _resolve_device(None, "nccl") == torch.device("cuda", torch.cuda.current_device())
+    assert _resolve_device("cuda", "gloo").index == torch.cuda.current_device()
+
+
+COLLECTIVES = {
+    "all-reduce": lambda comm, t, what: comm.all_reduce(t, what=what),
+    "reduce-scatter": lambda comm, t, what: comm.reduce_scatter(t, t, what=what),
+    "all-gather": lambda comm, t, what: comm.all_gather(t, t, what=what),
+    "broadcast": lambda comm, t, what: comm.broadcast(t, what=what),
+}
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("comm_device, tensor_device", [("cpu", "meta"), ("meta", "cpu")])
+def test_collective_refuses_a_tensor_on_another_device_even_at_world_size_one(kind, comm_device, tensor_device):
+    comm = Communicator(device=comm_device)
+    message = rf"zero: {kind} of x got a tensor on {tensor_device}, but .* sends tensors on {comm_device} "
+    with pytest.raises(ValueError, match=message):
+        COLLECTIVES[kind](comm, torch.zeros(4, device=tensor_device), f"{kind} of x")
+
+
+def test_reduce_scatter_checks_the_output_too():
+    comm = Communicator()
+    with pytest.raises(ValueError, match="tensor on meta"):
+        comm.reduce_scatter(torch.zeros(4, device="meta"), torch.zeros(4), what="reduce-scatter")
+
+
+# ----- real collectives in a gloo world of one -----------------------------------------------------------------
+
+
+def _forced_collectives(rank: int, world_size: int) -> dict:
+    """Every collective kind, issued for real through a gloo world of one (and skipped without forcing)."""
+    comm = Communicator(force_collectives=True, timeout_s=60)
+    plain = Communicator()
+    results: dict = {"skips": (comm.skips_collectives, plain.skips_collectives)}
+    summed = torch.arange(4.0)
+    comm.all_reduce(summed).wait()
+    maxed = torch.tensor([3.0, -1.0])
+    comm.all_reduce(maxed, op="max").wait()
+    scattered, in_place = torch.zeros(4), torch.arange(4.0)
+    comm.reduce_scatter(scattered, torch.arange(4.0)).wait()
+    comm.reduce_scatter(in_place, in_place).wait()
+    gathered, gathered_in_place = torch.zeros(3), torch.arange(3.0)
+    comm.all_gather(gathered, torch.arange(3.0)).wait()
+    comm.all_gather(gathered_in_place, gathered_in_place).wait()
+    sent = torch.arange(5.0)
+    comm.broadcast(sent, 0).wait()
+    results["tensors"] = [summed, maxed, scattered, in_place, gathered, gathered_in_place, sent]
+    results["objects"] = comm.all_gather_object({"rank": rank})
+    results["stats"] = comm.stats.as_dict("current")
+    plain.all_reduce(torch.ones(2)).wait()
+    plain.broadcast(torch.ones(2)).wait()
+    results["plain_stats"] = plain.stats.as_dict("current")
+    return results
+
+
+def test_forced_collectives_really_run_in_a_world_of_one():
+    (results,) = run_world(_forced_collectives, 1, timeout_s=120)
+    assert results["skips"] == (False, True)
+    expected = [torch.arange(4.0), torch.tensor([3.0, -1.0]), torch.arange(4.0), torch.arange(4.0),
+                torch.arange(3.0), torch.arange(3.0), torch.arange(5.0)]  # fmt: skip
+    for got, want in zip(results["tensors"], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert results["objects"] == [{"rank": 0}]
+    assert results["stats"] == {
+        "all_gather": {"calls": 2, "numel": 6, "bytes": 24},
+        "all_reduce": {"calls": 2, "numel": 6, "bytes": 24},
+        "broadcast": {"calls": 1, "numel": 5, "bytes": 20},
+        "reduce_scatter": {"calls": 2, "numel": 8, "bytes": 32},
+    }
+    assert results["plain_stats"] == {}  # not forced: nothing sent, nothing counted
