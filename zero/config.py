@@ -1,4 +1,12 @@
-"""``ZeroConfig``: every user-facing setting, validated once at the edge (pydantic)."""
+"""``ZeroConfig``: every user-facing setting, validated once at the edge (pydantic).
+
+Validation is strict, so a value of the wrong kind fails here rather than deep inside the
+optimizer: integer fields take Python ints only (not bools, not floats such as ``2.0``, not
+strings), float fields take finite ints or floats (not bools, strings, ``inf`` or ``nan``),
+bool fields take ``True``/``False`` only, and every number has finite bounds (the
+constants below). A JSON or YAML file gives the same types (YAML note: write ``1.0e-3``, as
+PyYAML reads ``1e-3`` as a string).
+"""
 
 from __future__ import annotations
 
@@ -6,66 +14,96 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 SUPPORTED_STAGES = (0, 1, 2, 3)
+MAX_MB = 2.0**20  # 1 TiB: above any real bucket or unit
+MAX_COUNT = 2**16  # more buckets or units than any model has: use it for "no limit"
+MIN_TIMEOUT_S = 0.001  # collectives wait in whole milliseconds; less would round to 0, i.e. no timeout
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week, well inside the 32-bit milliseconds of backend timeouts
+CONTAINER_CLASSES = ("ModuleList", "ModuleDict", "ParameterList", "ParameterDict")  # never run a forward
 
 
 class ZeroConfig(BaseModel):
     """Settings for :class:`zero.ZeroOptimizer`.
 
     Build it with keyword arguments, or load it from a JSON or YAML file with
-    :meth:`from_file`. Unknown fields are rejected, so a typo fails loudly.
+    :meth:`from_file`. Unknown fields are rejected, so a typo fails loudly, and so are
+    values of the wrong type or out of bounds (see the module docstring).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stage: int = Field(
         2,
+        strict=True,
         description="0: plain data parallelism (all-reduce); 1: shard optimizer state; "
         "2: also shard gradients; 3: also shard parameters (gathered unit by unit in forward and backward).",
     )
     bucket_size_mb: float = Field(
         25.0,
+        strict=True,  # takes ints too, not bools or strings
+        allow_inf_nan=False,
         gt=0,
+        le=MAX_MB,
         description="Capacity of one gradient/parameter bucket in MiB (one reduce-scatter and one "
         "all-gather per bucket). Smaller buckets overlap more with backward; larger ones send fewer messages.",
     )
     max_in_flight_buckets: int = Field(
         2,
+        strict=True,
         ge=1,
+        le=MAX_COUNT,
         description="Reductions allowed in flight at once during backward; bounds stage 2's staging memory.",
     )
     timeout_s: float = Field(
         600.0,
-        gt=0,
-        description="Seconds a collective may wait before it fails with an error instead of hanging.",
+        strict=True,  # takes ints too, not bools or strings
+        allow_inf_nan=False,
+        ge=MIN_TIMEOUT_S,
+        le=MAX_TIMEOUT_S,
+        description="Seconds a collective may wait before it fails with an error instead of hanging "
+        "(at least 0.001: timeouts are whole milliseconds; at most a week).",
     )
     sync_module_states: bool = Field(
-        True, description="Broadcast rank 0's parameters and buffers to every rank at construction (as DDP does)."
+        True,
+        strict=True,
+        description="Broadcast rank 0's parameters and buffers to every rank at construction (as DDP does).",
+    )
+    force_collectives: bool = Field(
+        False,
+        strict=True,
+        description="Issue every collective even in a world of one process (a process group of size 1), instead "
+        "of skipping communication: for testing the communication paths on a single GPU. Slower; off for training.",
     )
 
-    unit_classes: Optional[tuple[str, ...]] = Field(
+    unit_classes: Optional[tuple[StrictStr, ...]] = Field(
         None,
-        description="Stage 3: names of the module classes that each form one gathering unit (e.g. "
+        description="Stage 3: names of the module classes that each form one gathering unit, as a list (e.g. "
         "['Block', 'GPT2Block']). Default: every module held directly in an nn.ModuleList (each "
         "transformer block). Parameters outside every unit form one more unit with the root module.",
     )
     unit_size_mb: Optional[float] = Field(
         None,
+        strict=True,  # takes ints too, not bools or strings
+        allow_inf_nan=False,
         gt=0,
+        le=MAX_MB,
         description="Stage 3 alternative to unit_classes: make a unit of every module whose not-yet-claimed "
         "parameters reach this many MiB (children first).",
     )
     reshard_after_forward: bool = Field(
         True,
+        strict=True,
         description="Stage 3: free a unit's gathered parameters after its forward and gather them again for "
         "its backward (3Ψ traffic per step, less the root unit, which backward needs at once and is kept); "
         "False keeps every unit until its backward (2Ψ, more memory).",
     )
     prefetch_units: int = Field(
         1,
+        strict=True,
         ge=0,
+        le=MAX_COUNT,
         description="Stage 3: how many units ahead (in the order recorded on the previous step) are gathered "
         "while the current one computes; bounds the gathered working set to 1 + prefetch_units units "
         "(plus the units enclosing them).",
@@ -78,6 +116,26 @@ class ZeroConfig(BaseModel):
             allowed = ", ".join(map(str, SUPPORTED_STAGES))
             raise ValueError(f"stage must be one of {allowed} (got {stage})")
         return stage
+
+    @field_validator("unit_classes", mode="before")
+    @classmethod
+    def _class_list(cls, value: Any) -> Any:
+        """A list (JSON, YAML, Python) or tuple of names; a lone string is the usual slip."""
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ValueError(
+                f"unit_classes must be a list of module class names such as ['Block'], got {type(value).__name__}"
+            )
+        return value
+
+    @field_validator("unit_classes")
+    @classmethod
+    def _class_names(cls, names: Optional[tuple[str, ...]]) -> Optional[tuple[str, ...]]:
+        """At least one name, each a class name whose modules run a forward."""
+        if names is not None and not names:
+            raise ValueError("unit_classes must name at least one module class; leave it unset for the default units")
+        for name in names or ():
+            _check_class_name(name)
+        return names
 
     @model_validator(mode="after")
     def _one_unit_policy(self) -> "ZeroConfig":
@@ -107,3 +165,17 @@ class ZeroConfig(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of ZeroConfig fields, got {type(data).__name__}")
         return cls(**{**data, **overrides})
+
+
+def _check_class_name(name: str) -> None:
+    """Raise if ``name`` cannot be the ``type(module).__name__`` of a unit module."""
+    if not name.isidentifier():
+        raise ValueError(
+            f"unit_classes holds {name!r}, which is not a class name; give type(module).__name__ "
+            "of the unit modules, without the module path (e.g. 'GPT2Block')"
+        )
+    if name in CONTAINER_CLASSES:
+        raise ValueError(
+            f"unit_classes holds {name!r}, a container whose forward never runs, so its unit would never "
+            "be gathered; name the class of the modules inside it (e.g. 'Block')"
+        )
