@@ -8,9 +8,14 @@ A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shar
 * ``shard_buffer`` FlatBuffer(C), stage 3 only: this rank's persistent chunk of the parameters
 * ``grad_buffer`` FlatBuffer(P): full-size gradients; persistent or transient, as the stage decides
 * ``grad_shard``  (C,) this rank's reduced, averaged gradient chunk
+* ``grad_carry``  FlatBuffer(C), stage 1 only: reduced gradients set aside while another backward
+                   pass adds to them before ``step()`` (allocated only then)
 * ``shard``       (C,) this rank's chunk of the parameters, which the inner optimizer updates
 * ``pieces``      1D views of ``shard``, one per parameter overlapping the chunk; these are
                    the tensors the wrapped ``torch.optim`` optimizer sees
+
+A *frozen* bucket (stage 3: parameters with ``requires_grad=False``, sharded and gathered
+with their unit like the others) has no gradient buffers and no pieces.
 
 Per backward pass it also tracks which parameters have handed in their gradient.
 """
@@ -25,6 +30,7 @@ import torch
 from zero.flat_buffer import FlatBuffer
 from zero.layout import BucketLayout, ParamSpan, Piece
 from zero.memory import MemoryItem
+from zero.sharded_param import cast_after_wrapping
 
 
 @dataclass
@@ -39,9 +45,15 @@ class ParamSlot:
     order: int = 0  # position in model.named_parameters()
     view: torch.Tensor | None = None  # the parameter's shape, inside ``bucket.param_buffer``
     placeholder: torch.Tensor | None = None  # stage 3: its ``.data`` while sharded
+    grad_guard: torch.Tensor | None = None  # stages 1-3: its p.grad while the reduced gradient is sharded
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether, in PyTorch terms, the parameter has a gradient (here or on another rank)."""
+        return self.used_here or self.used_anywhere
 
 
 @dataclass
@@ -56,10 +68,13 @@ class LocalPiece:
 class Bucket:
     """Runtime state of one :class:`~zero.layout.BucketLayout` on one rank."""
 
-    def __init__(self, layout: BucketLayout, shard_index: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, layout: BucketLayout, shard_index: int, dtype: torch.dtype, device: torch.device, trainable: bool = True
+    ):
         self.layout = layout
         self.index = layout.index
         self.shard_index = shard_index
+        self.trainable = trainable
         self.slots: list[ParamSlot] = []
         self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
         self.param_buffer = FlatBuffer(layout.padded_numel, dtype, device, allocate=False)  # the stage fills it
@@ -67,13 +82,14 @@ class Bucket:
         self.grad_buffer: FlatBuffer | None = None  # set by the stage
         self.grad_shard: torch.Tensor | None = None  # set by the stage
         self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
+        self.grad_carry: FlatBuffer | None = None  # stage 1
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
 
     def __repr__(self) -> str:
         names = [s.name for s in self.slots]
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} params)" if len(names) > 3 else "")
-        return f"bucket {self.index} [{shown}]"
+        return f"{'' if self.trainable else 'frozen '}bucket {self.index} [{shown}]"
 
     # ----- construction ---------------------------------------------------------------------------
 
@@ -101,7 +117,9 @@ class Bucket:
                 slot.param.data = slot.view
 
     def build_pieces(self) -> None:
-        """Create the inner optimizer's tensors: views of this rank's chunk."""
+        """Create the inner optimizer's tensors: views of this rank's chunk (none in a frozen bucket)."""
+        if not self.trainable:
+            return
         slot_of = {slot.span.param_index: slot for slot in self.slots}
         shard = self.shard
         self.pieces = [
@@ -144,6 +162,21 @@ class Bucket:
         assert self.grad_shard is not None
         return self.grad_shard.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
+    def zero_pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> None:
+        """Zero the slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``)."""
+        for piece in self.pieces:
+            if piece.slot is slot:
+                chunk.narrow(0, piece.piece.chunk_start, piece.piece.numel).zero_()
+
+    def check_attached(self, whole: bool) -> None:
+        """Raise if a parameter changed dtype or device after wrapping (``model.to()``); with ``whole``
+        (its values are in ``param_buffer``), also if its ``.data`` no longer views the buffer."""
+        buffer = self.param_buffer.data
+        for slot in self.slots:
+            p = slot.param
+            if (p.dtype, p.device) != (buffer.dtype, buffer.device) or (whole and p.data_ptr() != slot.view.data_ptr()):
+                raise ValueError(cast_after_wrapping(slot.name))
+
     # ----- memory ----------------------------------------------------------------------------------
 
     def named_memory(self, gathering: bool) -> Iterator[MemoryItem]:
@@ -163,9 +196,12 @@ class Bucket:
                 yield MemoryItem("communication", "reduce-scatter", self.grad_buffer.data, module)
         if self.grad_shard_buffer is not None:
             yield MemoryItem("gradients", "shard", self.grad_shard_buffer.data, module)
+        if self.grad_carry is not None:
+            yield MemoryItem("gradients", "carried", self.grad_carry.data, module)
         for slot in self.slots:
-            if slot.param.grad is not None:  # stages 2-3: autograd's gradient, not yet staged
-                yield MemoryItem("gradients", "whole", slot.param.grad, module)
+            grad = slot.param.grad
+            if grad is not None:  # stages 2-3: autograd's gradient, not yet staged; or a guard
+                yield MemoryItem("gradients", "placeholder" if grad is slot.grad_guard else "whole", grad, module)
             if slot.placeholder is not None:
                 yield MemoryItem("parameters", "placeholder", slot.placeholder, module)
 

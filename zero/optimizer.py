@@ -20,10 +20,9 @@ from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.partition import build_partition
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
-from zero.stages.reducer import GradReducer, RoundState
+from zero.stages.reducer import GradReducer, GradState
 from zero.units import plan_units
-
-STATE_DICT_FORMAT = "zero.shard/1"
+from zero.weak import weak_hook
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -72,9 +71,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
         check_optimizer(optimizer)
         self.module = model
-        self.comm = Communicator(process_group, self.config.timeout_s)
+        self.comm = Communicator(
+            process_group,
+            self.config.timeout_s,
+            device=_model_device(model, device),
+            force_collectives=self.config.force_collectives,
+        )
         self.zero_stage = make_stage(self.config.stage)
-        self._init_device = _init_device(device, self.comm)
+        self._init_device = self.comm.device  # where parameters built on ``meta`` are materialized
         meta = self._replace_meta_parameters(optimizer, init_fn)
         if self.config.sync_module_states:
             self._broadcast_module_states(skip=meta)
@@ -90,10 +94,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         for bucket in self.buckets:
             self.zero_stage.init_params(bucket)
-            self.zero_stage.init_grads(bucket)
+            if bucket.trainable:
+                self.zero_stage.init_grads(bucket)
             bucket.build_pieces()
         if meta:
-            slots = {slot.param: slot for slot in self.partition.slots}
+            slots = {slot.param: slot for bucket in self.buckets for slot in bucket.slots}
             materialize(model, meta, slots, init_fn, self._init_device)
         self._inner = rebuild_optimizer(optimizer, self.buckets)
         self._pieces_in_model_order = sorted(
@@ -113,8 +118,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         fingerprint = self._gatherer.take_fingerprint if self._gatherer is not None else None
         self._reducer = GradReducer(
-            self.buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets, fingerprint
+            self.partition.trainable_buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets, fingerprint
         )
+        self._forward_check = model.register_forward_pre_hook(weak_hook(self._check_model), prepend=True)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -164,14 +170,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Computes the norm over every rank's shard (one small all-reduce), scales the
         gradients by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm (same on every rank).
         """
+        self._reducer.take_back()
         self._require_reduced_grads("clip_grad_norm_()")
         grads = self._local_grads()
         norm_type = float(norm_type)
         # Per-tensor norms, then the norm of the norms, in fp32 and model order: the same
         # arithmetic as torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
         norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
-        if self.zero_stage.num_shards(self.comm.world_size) > 1:
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else self._no_norm()
+        if self.zero_stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
             what = "all-reduce of the gradient norm"
             if norm_type == math.inf:
                 self.comm.all_reduce(total, op="max", what=what).wait()
@@ -193,8 +200,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._reducer.take_back()
         self._require_reduced_grads("step()")
-        for name, p in self.partition.frozen:
+        frozen = self.partition.frozen + [(slot.name, slot.param) for slot in self.partition.frozen_slots]
+        for name, p in frozen:
             if p.grad is not None:
                 raise ValueError(
                     f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer was built but now "
@@ -202,11 +211,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 )
         if self._gatherer is not None:  # a copy still gathered now would be stale after the step
             self._gatherer.reshard_all()
-        for bucket in self.buckets:
+        for bucket in self.partition.trainable_buckets:
             for piece in bucket.pieces:
                 piece.tensor.grad = bucket.grad_piece(piece) if piece.slot.used_anywhere else None
         self._inner.step()
-        handles = [self.zero_stage.gather_params(bucket, self.comm) for bucket in self.buckets]
+        handles = [self.zero_stage.gather_params(bucket, self.comm) for bucket in self.partition.trainable_buckets]
         for handle in handles:
             if handle is not None:
                 handle.wait()
@@ -230,7 +239,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Call it on every rank, with the same targets, outside forward and backward. At stages
         0-2 parameters are always whole and only ``modifier_rank`` has an effect.
         """
-        if self._reducer.state is not RoundState.IDLE or (self._gatherer is not None and self._gatherer.in_forward):
+        if self._reducer.state is GradState.REDUCING or (self._gatherer is not None and self._gatherer.in_forward):
             raise ValueError("gathered_parameters() cannot be used inside forward or backward")
         buckets = self._buckets_of(targets)
         units = self._gatherer.units_of(s.param for b in buckets for s in b.slots) if self._gatherer else []
@@ -241,13 +250,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             yield
         finally:
-            if modifier_rank is not None and self.comm.world_size > 1:
+            if modifier_rank is not None and not self.comm.skips_collectives:
                 what = f"broadcast of rank {modifier_rank}'s edited parameters"
                 for handle in [self.comm.broadcast(b.param_buffer.data, modifier_rank, what=what) for b in buckets]:
                     handle.wait()
             if self._gatherer is not None:
                 for unit in units:
                     for bucket in unit.buckets:
+                        bucket.check_attached(whole=True)
                         self.zero_stage.write_back(bucket)
                         self.zero_stage.hand_over(bucket)
                     self._gatherer.reshard(unit)
@@ -255,13 +265,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients. With ``set_to_none`` (the default) parameters count as having no
         gradient until the next backward, as in PyTorch; stages 0-1 keep their gradient
-        buckets allocated (zeroed), as DDP does, while stage 2 releases its gradient shards."""
+        buckets allocated (zeroed), as DDP does, while stages 2-3 release their gradient shards.
+        ``model.zero_grad()`` is equivalent (the optimizer sees it at the next backward or step)."""
+        if set_to_none:
+            self._reducer.clear()
+        else:
+            self._reducer.zero()
         for bucket in self.buckets:
-            self.zero_stage.zero_grad(bucket, set_to_none)
             for piece in bucket.pieces:
                 piece.tensor.grad = None
-        if set_to_none:
-            self._reducer.reset()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_reducer"):
@@ -290,10 +302,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Bytes this rank holds in parameters, gradients and optimizer state (unique storages)."""
         params = [b.param_buffer.data for b in self.buckets] + [p for _, p in self.partition.frozen]
         params += [b.shard_buffer.data for b in self.buckets if b.shard_buffer is not None]
-        params += [s.placeholder for s in self.partition.slots if s.placeholder is not None]  # one element each
+        params += [s.placeholder for b in self.buckets for s in b.slots if s.placeholder is not None]  # 1 element
         grads = [b.grad_buffer.data for b in self.buckets if b.grad_buffer is not None]
         grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
-        grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]
+        grads += [b.grad_carry.data for b in self.buckets if b.grad_carry is not None]
+        grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]  # guards: 1 element
         states = [v for s in self._inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return ModelStateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(states))
 
@@ -315,18 +328,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [p.slot.bucket.grad_piece(p) for p in self._pieces_in_model_order if p.slot.used_anywhere]
 
     def _require_reduced_grads(self, what: str) -> None:
-        if self._reducer.has_unreduced_local:
+        state = self._reducer.state
+        if state is GradState.ACCUMULATING:
             raise ValueError(
                 f"{what} called after backward passes inside no_sync() only: those gradients were never "
                 "reduced across ranks. Run the last micro-batch's backward outside no_sync()."
             )
-        if not self._reducer.has_reduced:
+        if state is GradState.EMPTY:
             raise ValueError(f"{what} called before backward(): there are no gradients to use yet")
+        if state is GradState.REDUCING:
+            raise ValueError(f"{what} called inside a backward pass (from a hook?); call it after backward()")
+
+    def _no_norm(self) -> torch.Tensor:
+        """The norm of no gradient at all (no piece of a parameter with a gradient falls in this shard)."""
+        return torch.zeros((), device=self.comm.device)
+
+    def _check_model(self, module: torch.nn.Module, args: Any) -> None:
+        """Before each forward: the model's parameters must still be the ones this optimizer manages."""
+        whole = self._gatherer is None
+        for bucket in self.buckets:
+            bucket.check_attached(whole=whole)
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
         buffers): every rank initializes them alike, from the same seed."""
-        if self.comm.world_size == 1:
+        if self.comm.skips_collectives:
             return
         tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if t not in skip and not t.is_meta]
         what = "broadcast of rank 0's module states"
@@ -366,24 +392,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for item in items:
             params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
             wanted.update(id(p) for p in params)
-        known = {id(s.param) for s in self.partition.slots} | {id(p) for _, p in self.partition.frozen}
+        known = {id(p) for p in self.module.parameters()}
         if not wanted <= known:
-            raise ValueError("gathered_parameters() got parameters that this ZeroOptimizer does not manage")
+            raise ValueError("gathered_parameters() got parameters that are not in the model this ZeroOptimizer wraps")
         return [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
 
     def _checkpoint_header(self) -> dict[str, Any]:
         return checkpoint.header(
-            stage=self.config.stage, world_size=self.comm.world_size, rank=self.comm.rank, partition=self.partition
+            stage=self.config.stage,
+            world_size=self.comm.world_size,
+            rank=self.comm.rank,
+            partition=self.partition,
+            optimizer=self._inner,
         )
 
 
-def _init_device(device: torch.device | str | None, comm: Communicator) -> torch.device:
-    """Where parameters built on ``meta`` are materialized: ``device``, else this rank's GPU with NCCL, else CPU."""
+def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
+    """The device the model's parameters live on (the communicator's): ``device`` if given, else that of
+    the first parameter not on ``meta``; ``None`` lets the communicator choose (the backend's device)."""
     if device is not None:
         return torch.device(device)
-    if torch.cuda.is_available() and comm.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return next((p.device for p in model.parameters() if not p.is_meta), None)
 
 
 def _resolve_config(config: ZeroConfig | None, overrides: dict[str, Any]) -> ZeroConfig:

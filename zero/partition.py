@@ -19,22 +19,37 @@ from zero.units import UnitSpec
 class Partition:
     """The buckets of one rank, plus the parameters left out of them."""
 
-    buckets: list[Bucket]
-    frozen: list[tuple[str, torch.nn.Parameter]]  # in the optimizer but requires_grad=False
+    buckets: list[Bucket]  # trainable buckets first, then frozen ones (stage 3)
+    frozen: list[tuple[str, torch.nn.Parameter]]  # in the optimizer, requires_grad=False, kept whole (stages 0-2)
     units: list[UnitSpec]  # stage 3's units of gathering (empty at stages 0-2)
 
     @property
+    def trainable_buckets(self) -> list[Bucket]:
+        return [bucket for bucket in self.buckets if bucket.trainable]
+
+    @property
     def slots(self) -> list[ParamSlot]:
-        return [slot for bucket in self.buckets for slot in bucket.slots]
+        """The trainable parameters' slots."""
+        return [slot for bucket in self.trainable_buckets for slot in bucket.slots]
+
+    @property
+    def frozen_slots(self) -> list[ParamSlot]:
+        """Stage 3: the frozen parameters sharded in frozen buckets."""
+        return [slot for bucket in self.buckets if not bucket.trainable for slot in bucket.slots]
 
     @property
     def numel(self) -> int:
         """Ψ: trainable elements managed (no padding)."""
-        return sum(bucket.layout.numel for bucket in self.buckets)
+        return sum(bucket.layout.numel for bucket in self.trainable_buckets)
 
     @property
     def padded_numel(self) -> int:
-        return sum(bucket.layout.padded_numel for bucket in self.buckets)
+        return sum(bucket.layout.padded_numel for bucket in self.trainable_buckets)
+
+    @property
+    def frozen_numel(self) -> int:
+        """Elements of the frozen parameters sharded at stage 3 (no padding)."""
+        return sum(bucket.layout.numel for bucket in self.buckets if not bucket.trainable)
 
 
 def build_partition(
@@ -48,6 +63,10 @@ def build_partition(
     device: torch.device | None = None,
 ) -> Partition:
     """Pack the optimizer's trainable parameters into buckets (no parameter data is copied yet).
+
+    With a unit ``plan`` (stage 3) every frozen parameter of the model (``requires_grad=False``,
+    in the optimizer or not) is packed too, into frozen buckets of its unit, so that a frozen
+    base model with small trainable adapters is sharded like the rest.
 
     Parameters are packed in reverse registration order, which approximates the order in
     which backward produces their gradients, so early buckets fill (and go out) first.
@@ -69,10 +88,13 @@ def build_partition(
                 )
             group_of[p] = gi
     frozen = [(names[p], p) for p in group_of if not p.requires_grad]
-    trainable = sorted((p for p in group_of if p.requires_grad), key=lambda p: -order[p])
-    if not trainable:
+    packed = sorted((p for p in group_of if p.requires_grad), key=lambda p: -order[p])
+    if plan is not None:  # stage 3 shards every frozen parameter of the model
+        frozen = []
+        packed += sorted((p for p in names if not p.requires_grad), key=lambda p: -order[p])
+    if not any(p.requires_grad for p in packed):
         raise ValueError("the optimizer holds no parameter with requires_grad=True: there is nothing to train")
-    for p in trainable:
+    for p in packed:
         if p.layout != torch.strided:
             raise ValueError(f"parameter {names[p]!r} has layout {p.layout}; ZeRO packs dense (strided) parameters")
 
@@ -83,27 +105,27 @@ def build_partition(
             return device
         return p.device
 
-    units = plan(trainable) if plan is not None else []
+    units = plan(packed) if plan is not None else []
     units.sort(key=lambda u: -min(order[p] for p in u.params))
     unit_of = {p: i for i, unit in enumerate(units) for p in unit.params}
-    if units:
-        trainable.sort(key=lambda p: (unit_of[p], -order[p]))
-        bucket_cap = sum(p.numel() for p in trainable)  # one bucket per unit (and dtype)
+    if units:  # trainable buckets first, in unit order (the reducer launches them in this order)
+        packed.sort(key=lambda p: (not p.requires_grad, unit_of[p], -order[p]))
+        bucket_cap = sum(p.numel() for p in packed)  # one bucket per unit (and dtype)
     else:
-        bucket_cap = max(1, bucket_size_bytes // max(p.element_size() for p in trainable))
+        bucket_cap = max(1, bucket_size_bytes // max(p.element_size() for p in packed))
     layouts = plan_buckets(
-        [p.numel() for p in trainable],
-        [(p.dtype, device_of(p), unit_of.get(p)) for p in trainable],
+        [p.numel() for p in packed],
+        [(p.dtype, device_of(p), unit_of.get(p), p.requires_grad) for p in packed],
         bucket_cap=bucket_cap,
         num_shards=num_shards,
     )
     buckets = []
     for layout in layouts:
-        first = trainable[layout.spans[0].param_index]
-        bucket = Bucket(layout, shard_index, first.dtype, device_of(first))
+        first = packed[layout.spans[0].param_index]
+        bucket = Bucket(layout, shard_index, first.dtype, device_of(first), trainable=first.requires_grad)
         bucket.unit = units[unit_of[first]] if units else None
         for span in layout.spans:
-            p = trainable[span.param_index]
-            bucket.add(ParamSlot(p, names[p], group_of[p], bucket, span, order[p]))
+            p = packed[span.param_index]
+            bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), bucket, span, order[p]))
         buckets.append(bucket)
     return Partition(buckets, frozen, units)

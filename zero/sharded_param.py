@@ -18,22 +18,47 @@ import torch
 from torch import nn
 
 # Attribute getters and methods that only read metadata (or hooks): allowed while sharded.
-_METADATA = frozenset(
+METADATA = frozenset(
     {
         "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "is_meta", "is_cuda",
         "is_sparse", "is_quantized", "is_nested", "grad_fn", "_grad_fn", "_base", "names", "size", "dim",
         "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__hash__", "requires_grad_",
         "register_hook", "register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks", "_backward_hooks",
         "__len__", "get_device", "_is_view", "nbytes", "itemsize", "type", "is_pinned",
+        "_has_compatible_shallow_copy_type",
     }
 )
 
 
-def _name_of(func) -> str:
+# What Module._apply (model.to(), .float(), .cpu(), ...) calls on each parameter and gradient.
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"})
+
+
+def name_of(func) -> str:
+    """The name a ``__torch_function__`` call is known by (``"data"`` for the ``.data`` getter and setter)."""
     owner = getattr(func, "__self__", None)  # getset descriptors' __get__/__set__ wrappers
     if owner is not None and not isinstance(owner, torch.Tensor) and hasattr(owner, "__name__"):
         return owner.__name__
     return getattr(func, "__name__", "")
+
+
+def is_conversion(func) -> bool:
+    """A dtype/device conversion, or a ``.data =`` assignment (how ``Module._apply`` installs its result)."""
+    return name_of(func) in _CONVERSIONS or (name_of(func) == "data" and func.__name__ == "__set__")
+
+
+def convert_or_refuse(func, args, kwargs, message: str):
+    """Let a conversion that changes nothing through (``model.to(the device it is on)``); refuse the rest."""
+    target = args[0]
+    if func.__name__ == "__set__":  # `t.data = value`: only `t.data = t` changes nothing
+        if args[1] is target:
+            return None
+        raise RuntimeError(message)
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    if result is target or not isinstance(result, torch.Tensor):  # a no-op returns the tensor; .type() a str
+        return result
+    raise RuntimeError(message)
 
 
 class ZeroParameter(nn.Parameter):
@@ -55,6 +80,8 @@ class ZeroParameter(nn.Parameter):
         if func in (torch.Tensor.__repr__, torch.Tensor.__format__) and args[0]._zero_sharded:
             p = args[0]  # say what it is (never the placeholder's values, never an error in a debugger)
             return f"ZeroParameter({p._zero_name!r}, shape={tuple(p.shape)}, dtype={p.dtype}, sharded)"
+        if args and type(args[0]) is ZeroParameter and args[0]._zero_sharded and is_conversion(func):
+            return convert_or_refuse(func, args, kwargs, cast_after_wrapping(args[0]._zero_name))
         for arg in (*args, *kwargs.values()):
             if isinstance(arg, (list, tuple)):
                 for item in arg:
@@ -67,8 +94,8 @@ class ZeroParameter(nn.Parameter):
 
 
 def _refuse(param: ZeroParameter, func) -> None:
-    name = _name_of(func)
-    if name in _METADATA:
+    name = name_of(func)
+    if name in METADATA:
         return
     raise RuntimeError(
         f"zero: parameter {param._zero_name!r} is sharded across ranks (stage 3) and was used outside its "
@@ -78,8 +105,23 @@ def _refuse(param: ZeroParameter, func) -> None:
     )
 
 
+def cast_after_wrapping(name: str) -> str:
+    """The error for changing a managed parameter's dtype or device after wrapping (any stage)."""
+    return (
+        f"zero: parameter {name!r} changed dtype or device after ZeroOptimizer wrapped the model (model.to(), "
+        ".half(), .double(), .bfloat16(), ...). Its values live in the optimizer's flat buffers, which keep "
+        "their dtype and device, so training would go on with the old ones. Cast or move the model before "
+        "building ZeroOptimizer."
+    )
+
+
 def make_sharded(param: nn.Parameter, name: str) -> ZeroParameter:
     """Turn ``param`` (the same object) into a :class:`ZeroParameter`; it starts gathered."""
+    if type(param) is ZeroParameter:
+        raise ValueError(
+            f"parameter {name!r} is already managed by another stage-3 ZeroOptimizer; a parameter can belong "
+            "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (and modules)."
+        )
     if type(param) is not nn.Parameter:
         raise ValueError(
             f"parameter {name!r} is a {type(param).__name__}; stage 3 manages plain torch.nn.Parameter objects"

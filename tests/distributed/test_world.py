@@ -95,23 +95,26 @@ def test_stage3_traffic_is_three_psi_or_two_when_kept_for_backward(world):
     """Stage 3 gathers every unit for forward and again for backward (3Ψ with the reduce-scatter),
     except the two that backward needs as soon as forward ends, which stay gathered: the root
     unit and the unit that ran last (ParityNet's ``twice``, called twice in a row, gathered once).
-    With reshard_after_forward=False every unit is gathered once (2Ψ)."""
+    With reshard_after_forward=False every unit is gathered once (2Ψ). The frozen parameter is
+    sharded too (a frozen bucket of the root unit): gathered with its unit, never reduced."""
     world_size, results = world
     for rank_result in results:
         for reshard in (True, False):
             run = rank_result["traffic3"][reshard]
             stats, padded, units = run["comm_stats"], run["padded_numel"], run["unit_numel"]
+            gathered, buckets = run["gathered_numel"], run["unit_buckets"]
+            assert buckets[""] == 2 and gathered > padded  # the root's trainable and frozen buckets
             if world_size == 1:
                 assert "all_gather" not in stats and "reduce_scatter" not in stats
                 continue
             assert stats["reduce_scatter"]["numel"] == padded
             assert stats["reduce_scatter"]["calls"] == len(units)
             if reshard:
-                assert stats["all_gather"]["numel"] == 2 * padded - units[""] - units["twice.0"]
-                assert stats["all_gather"]["calls"] == 2 * len(units) - 2
+                assert stats["all_gather"]["numel"] == 2 * gathered - units[""] - units["twice.0"]
+                assert stats["all_gather"]["calls"] == 2 * sum(buckets.values()) - buckets[""] - buckets["twice.0"]
             else:
-                assert stats["all_gather"]["numel"] == padded
-                assert stats["all_gather"]["calls"] == len(units)
+                assert stats["all_gather"]["numel"] == gathered
+                assert stats["all_gather"]["calls"] == sum(buckets.values())
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -126,6 +129,21 @@ def test_model_state_memory_matches_zero_formula(world, stage):
         param_pad = pad if stage < 3 else pad / world_size
         expected = zero_model_state_bytes(psi, world_size, stage) + 4 * param_pad + 4 * grad_pad + frozen
         assert held == pytest.approx(expected, rel=0.01)
+
+
+def test_stage3_shards_frozen_parameters(world):
+    """Fine-tuning a frozen base model (its parameters not in the optimizer, the usual
+    ``AdamW(p for p in model.parameters() if p.requires_grad)``): at stage 3 each rank holds
+    ``4·Ψ_frozen/N`` bytes of the frozen parameters (fp32, plus padding to N equal chunks), not
+    ``4·Ψ_frozen``; no gradient or optimizer state for them; ``gathered_parameters(model)`` gathers them."""
+    world_size, results = world
+    for r in results:
+        run = r["runs"][("sgd", "finetune", "stage3")]
+        assert run["frozen_numel"] > run["numel"]  # the GPT is most of the model
+        assert run["frozen_padded"] - run["frozen_numel"] < world_size * run["num_buckets"]
+        sharded = 4 * (run["padded_numel"] + run["frozen_padded"]) / world_size
+        assert run["model_state"].parameters == sharded + 4 * run["num_buckets"]  # + one placeholder each
+        assert torch.equal(run["params_in_block"], run["params"])
 
 
 @pytest.mark.parametrize("stage", STAGES)

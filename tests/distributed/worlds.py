@@ -37,6 +37,10 @@ SCENARIOS = [
     ("adamw", "clip"),
     ("sgd", "clip"),  # SGD keeps runs within rounding of each other, so every step's norm is comparable
     ("sgd", "edit"),  # rank 0 edits a parameter in gathered_parameters(modifier_rank=0) mid-run
+    ("sgd", "passes3"),  # 3 backward passes per step, no no_sync(): accumulation the way DDP users write it
+    ("adamw", "passes3"),
+    ("sgd", "zero_grad_paths"),  # model.zero_grad(), zero_grad(set_to_none=False), none at all, in turn
+    ("sgd", "finetune"),  # most of the GPT frozen, not in the optimizer; stage 3 shards it too
 ]
 NUM_BATCHES = 3  # batches are revisited, so the loss visibly falls
 STAGES = (0, 1, 2, 3)
@@ -100,8 +104,14 @@ def edit(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
 def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps: int = STEPS) -> dict:
     """Train ``steps`` steps; ``mode`` is "reference" (one process, whole batch), "ddp" or "stage{0,1,2}"."""
     model = build_model()
-    optimizer = make_optimizer(kind, model)
-    micro = 2 if scenario == "accum" else 1
+    if scenario == "finetune":  # the blocks' linear layers frozen; their LayerNorms and the rest trained
+        for name, p in model.gpt.blocks.named_parameters():
+            p.requires_grad_(".ln" in name)
+        cls, kwargs = OPTIMIZERS[kind]
+        optimizer = cls([p for p in model.parameters() if p.requires_grad], **kwargs)  # the usual fine-tuning call
+    else:
+        optimizer = make_optimizer(kind, model)
+    micro = {"accum": 2, "passes3": 3}.get(scenario, 1)
     if mode == "reference":
         rank, world_size, micro_splits = 0, 1, 1
         forward, opt, no_sync = model, optimizer, nullcontext
@@ -111,6 +121,8 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
     else:
         opt = ZeroOptimizer(optimizer, model, stage=int(mode[-1]), bucket_size_mb=BUCKET_MB)
         forward, no_sync, micro_splits = model, opt.no_sync, micro
+    if scenario == "passes3":
+        no_sync = nullcontext  # every pass reduces: gradients accumulate across synchronized passes
     losses, norms = [], []
     for step in range(steps):
         if scenario == "edit" and step == EDIT_STEP:
@@ -128,16 +140,35 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
             clip = opt.clip_grad_norm_ if isinstance(opt, ZeroOptimizer) else _torch_clip(model)
             norms.append(float(clip(0.5)))
         opt.step()
-        opt.zero_grad()
+        zero_grad(scenario, step, model, opt)
         if world_size > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world_size)
     out = {"losses": losses, "norms": norms, "params": flat_params(model, opt)}
+    if scenario == "finetune" and isinstance(opt, ZeroOptimizer):
+        with opt.gathered_parameters(model):  # the frozen GPT is not in the optimizer: still gathered
+            out["params_in_block"] = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+        out["model_state"] = opt.model_state_bytes()
+        out["frozen_numel"] = opt.partition.frozen_numel
+        out["frozen_padded"] = sum(b.layout.padded_numel for b in opt.buckets if not b.trainable)
+        out["num_buckets"] = len(opt.buckets)
     if isinstance(opt, ZeroOptimizer):
         out["comm_stats"] = opt.comm_stats
         out["numel"], out["padded_numel"] = opt.partition.numel, opt.partition.padded_numel
         out["num_buckets"], out["num_params"] = len(opt.buckets), len(opt.partition.slots)
     return out
+
+
+def zero_grad(scenario: str, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """How gradients are cleared after each step: the optimizer's zero_grad(), or, in the
+    "zero_grad_paths" scenario, what Hugging Face Trainer and hand-written loops do instead."""
+    if scenario != "zero_grad_paths":
+        opt.zero_grad()
+    elif step % 3 == 0:
+        model.zero_grad()  # p.grad = None, as Trainer does
+    elif step % 3 == 1:
+        model.zero_grad(set_to_none=False)  # zeros: parameters keep a (zero) gradient
+    # step % 3 == 2: no clearing at all, the next step's gradients add to these (as PyTorch does)
 
 
 def _micro_batches(x: torch.Tensor, y: torch.Tensor, splits: int):
@@ -160,8 +191,17 @@ def stage3_traffic(rank: int, world_size: int, reshard_after_forward: bool) -> d
         model(local_slice(x, rank, world_size), local_slice(y, rank, world_size), True).backward()
         opt.step()
         opt.zero_grad()
-    unit_numel = {b.unit.name: b.layout.padded_numel for b in opt.buckets}
-    return {"comm_stats": opt.comm_stats, "padded_numel": opt.partition.padded_numel, "unit_numel": unit_numel}
+    unit_numel, unit_buckets = {}, {}  # each unit's buckets: its trainable one, and a frozen one (the root)
+    for b in opt.buckets:
+        unit_numel[b.unit.name] = unit_numel.get(b.unit.name, 0) + b.layout.padded_numel
+        unit_buckets[b.unit.name] = unit_buckets.get(b.unit.name, 0) + 1
+    return {
+        "comm_stats": opt.comm_stats,
+        "padded_numel": opt.partition.padded_numel,
+        "gathered_numel": sum(b.layout.padded_numel for b in opt.buckets),
+        "unit_numel": unit_numel,
+        "unit_buckets": unit_buckets,
+    }
 
 
 def memory_after_step(rank: int, world_size: int, stage: int) -> dict:

@@ -168,7 +168,7 @@ def test_gathered_parameters_edits_are_written_back():
         model.ln_f.weight.fill_(3.0)
     with opt.gathered_parameters():
         assert torch.all(model.ln_f.weight == 3.0)
-    with pytest.raises(ValueError, match="does not manage"):
+    with pytest.raises(ValueError, match="not in the model"):
         with opt.gathered_parameters(nn.Linear(2, 2)):
             pass
 

@@ -19,7 +19,12 @@ the first step gathers on demand. Every rank must run the same units in the same
 (collectives are matched by order): the sequence of gathers is folded into a fingerprint
 that the reducer compares across ranks at the end of each backward, so a model whose
 ranks take different paths fails with an error naming the problem rather than training
-on mismatched parameters.
+on mismatched parameters. Sooner than that, each rank compares every forward's units with its
+first forward's (locally, for free): the rank whose order changes warns at once, naming the
+unit, and a gather that then fails or times out repeats it in its error.
+
+A unit whose parameters are all frozen (a frozen base model's block) has no gradient to tell when
+its backward is done, so it stays gathered until the end of the backward pass.
 
 Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward,
 and every unit when the root's forward ends. During backward a unit's forward may run again
@@ -35,6 +40,7 @@ parameters the first one already released.
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -64,7 +70,7 @@ class Unit:
         self.name = spec.name or "<root>"
         self.module = spec.module
         self.buckets = buckets
-        self.num_params = sum(len(b.slots) for b in buckets)
+        self.num_params = sum(len(b.slots) for b in buckets if b.trainable)  # those that get gradients
         self.state = UnitState.SHARDED
         self.handles: list[Handle] = []
         self.in_backward = False  # between its pre-backward and its last gradient
@@ -99,6 +105,9 @@ class ParamGatherer:
         self._finished: Unit | None = None  # ran its forward; released when the next unit starts
         self._forward_order: list[Unit] = []
         self._previous_forward: list[Unit] = []
+        self._first_forward: list[Unit] | None = None  # the order every later forward is checked against
+        self._divergence: str | None = None  # how this rank's unit order first left the first pass's
+        self._has_root = any(unit.is_root for unit in self.units)
         self._backward_order: list[Unit] = []
         self._previous_backward: list[Unit] = []
         self._in_backward_pass = False
@@ -109,7 +118,7 @@ class ParamGatherer:
             self._hooks.append(unit.module.register_forward_pre_hook(weak_hook(self._pre_forward, unit.index)))
             self._hooks.append(unit.module.register_forward_hook(weak_hook(self._post_forward, unit.index)))
             for bucket in unit.buckets:
-                for slot in bucket.slots:
+                for slot in bucket.slots if bucket.trainable else []:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
                     self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
@@ -129,7 +138,12 @@ class ParamGatherer:
         self.unshard(unit)
         if unit.state is UnitState.GATHERING:
             for handle in unit.handles:
-                handle.wait()
+                try:
+                    handle.wait()
+                except RuntimeError as err:
+                    if self._divergence is None:
+                        raise
+                    raise RuntimeError(f"{err}\nzero: {self._divergence}") from err
             unit.handles = []
             for bucket in unit.buckets:
                 self.stage.attach(bucket)
@@ -184,10 +198,14 @@ class ParamGatherer:
         if self._depth == 0:  # a new forward pass starts
             if self._forward_order:
                 self._previous_forward = self._forward_order
+                self._check_order(len(self._forward_order), ended=True)
+                if self._first_forward is None:
+                    self._first_forward = self._forward_order
             self._forward_order = []
         self._release_finished(keep=unit)
         self._depth += 1
         self._forward_order.append(unit)
+        self._check_order(len(self._forward_order) - 1, ended=False)
         self.wait(unit)
         self._prefetch(self._forward_order, self._previous_forward)
 
@@ -227,6 +245,27 @@ class ParamGatherer:
             return
         for unit in previous[position : position + self.prefetch]:
             self.unshard(unit)
+
+    def _check_order(self, position: int, *, ended: bool) -> None:
+        """Compare this forward's units with the first forward's, locally (no communication). A rank
+        that runs other units than its peers pairs its all-gathers with theirs: say so now, on the rank
+        that diverged, and again in the error of the collective that then fails or times out."""
+        first = self._first_forward
+        if first is None or self._divergence is not None or not self._has_root:
+            return  # (without a root unit, forward passes have no visible start: nothing to compare)
+        order = self._forward_order
+        got = order[position] if position < len(order) and not ended else None
+        expected = first[position] if position < len(first) else None
+        if got is expected:
+            return
+        self._divergence = (
+            f"rank {self.comm.rank} ran {got or 'no unit'} as unit #{position} of a forward pass, where its first "
+            f"forward pass ran {expected or 'no unit'}. If other ranks kept the first order, this rank's all-gathers "
+            "no longer match theirs (collectives pair up by order): the next one fails or times out, or the "
+            "end-of-backward check reports it. Every rank must run the same units in the same order (no branch "
+            "or loop count that depends on a rank's data)."
+        )
+        warnings.warn(f"zero: {self._divergence}", stacklevel=4)
 
     # ----- backward ---------------------------------------------------------------------------------
 

@@ -1,9 +1,20 @@
-"""Gradient hooks and the reduction round of one backward pass, shared by every stage.
+"""Gradient hooks, the gradient state machine, and the reduction round of a backward pass.
 
-Data flow in one synchronized backward pass (a *round*):
+Gradient states (:class:`GradState`), checked on every transition::
 
-1. The first gradient hook of the pass opens the round and asks autograd to call
-   ``_finish_round`` when the pass ends.
+    EMPTY ──no_sync pass──> ACCUMULATING ──synced pass──> REDUCING ──end of pass──> REDUCED
+      └──────────────────────synced pass──────────────────────^                        │
+    REDUCED ──another pass before step() (stage.reopen)──> ACCUMULATING or REDUCING <──┘
+    any state outside a pass ──zero_grad(), or model.zero_grad() on every parameter──> EMPTY
+
+Life of one backward pass:
+
+1. The first gradient *pre*-hook of the pass (before autograd accumulates anything) starts
+   it: :meth:`GradReducer.take_back` applies what the user did to ``p.grad`` since the last
+   pass (``model.zero_grad()``, ``p.grad = None``, ``zero_grad(set_to_none=False)``); reduced
+   gradients about to receive more are reopened (``stage.reopen``); each ``p.grad`` is pointed
+   where autograd should accumulate (``stage.before_pass``); and ``_end_pass`` is queued to run
+   when autograd finishes the pass.
 2. Each ``post_accumulate_grad`` hook hands its parameter's gradient to the stage
    (``stage.stage_grad``) and marks it ready.
 3. Buckets are launched strictly in bucket order, each as soon as it and every bucket
@@ -19,6 +30,9 @@ Data flow in one synchronized backward pass (a *round*):
    others no gradient at all, exactly as single-process PyTorch leaves ``p.grad = None``.
    At stage 3 the same all-reduce carries a fingerprint of the units each rank gathered,
    so ranks that ran different units are caught here (see ``zero.stages.gatherer``).
+6. Every parameter with a gradient gets its published ``p.grad`` back (``stage.published_grad``:
+   the whole gradient at stage 0, a :class:`~zero.sharded_grad.ShardedGrad` guard at stages 1-3),
+   so that what the user does to it before the next pass can be seen.
 
 Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
 and the next synchronized pass reduces their sum.
@@ -32,15 +46,17 @@ from typing import Callable
 
 import torch
 
-from zero.bucket import Bucket
+from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
 from zero.stages.stage0 import Stage0
 from zero.weak import weak_hook
 
 
-class RoundState(enum.Enum):
-    IDLE = "idle"  # no reduction in progress
+class GradState(enum.Enum):
+    EMPTY = "empty"  # no gradient since zero_grad()
+    ACCUMULATING = "accumulating"  # local gradients from no_sync() passes, not reduced yet
     REDUCING = "reducing"  # inside a synchronized backward pass
+    REDUCED = "reduced"  # reduced gradients, ready for clip_grad_norm_() and step()
 
 
 class GradReducer:
@@ -61,26 +77,75 @@ class GradReducer:
         self.max_in_flight = max_in_flight
         self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
         self.sync_enabled = True  # False inside no_sync()
-        self.state = RoundState.IDLE
-        self.has_reduced = False  # reduced gradients are available for step()
-        self.has_unreduced_local = False  # gradients from no_sync() passes wait for a synced pass
+        self.state = GradState.EMPTY
+        self._pass_task: int | None = None  # autograd graph task of the pass in progress
+        self._reopened = False  # this pass reopened reduced gradients (stage.reopen)
         self._next = 0  # index of the next bucket to launch
         self._in_flight: deque[tuple[Bucket, Handle]] = deque()
-        self._hooks = [
-            slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i))
-            for i, slot in enumerate(self.slots)
-        ]
+        self._hooks = []
+        for i, slot in enumerate(self.slots):
+            self._hooks.append(slot.param.register_hook(weak_hook(self._before_grad, i)))
+            self._hooks.append(slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i)))
 
+    def _to(self, new: GradState, *allowed: GradState) -> None:
+        assert self.state in allowed, f"gradient state {self.state.value} -> {new.value}"
+        self.state = new
+
+    # ----- what the user did to p.grad ------------------------------------------------------------------
+
+    def take_back(self) -> None:
+        """Apply what the user did to the published ``p.grad`` since the last pass, as PyTorch would:
+        ``None`` clears the gradient (``model.zero_grad()``), ``zero_()`` on a guard zeroes it, a
+        replaced tensor is copied in (stage 0) or refused (stages 1-3)."""
+        if self.state is GradState.REDUCING:
+            return
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                self._take_back(bucket, slot)
+        if self.state is not GradState.EMPTY and not any(slot.has_grad for slot in self.slots):
+            self.clear()  # every gradient was cleared: the same as opt.zero_grad()
+
+    def _take_back(self, bucket: Bucket, slot: ParamSlot) -> None:
+        grad = slot.param.grad
+        if grad is None:
+            if slot.has_grad:
+                self.stage.clear_grad(bucket, slot)
+                slot.used_here = slot.used_anywhere = False
+        elif grad is slot.grad_guard:
+            if grad._zero_cleared:
+                self.stage.clear_grad(bucket, slot)
+                grad._zero_cleared = False
+        elif self.state is GradState.REDUCED:
+            self.stage.adopt_grad(bucket, slot)
 
     # ----- hooks ----------------------------------------------------------------------------------------
+
+    def _before_grad(self, index: int, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._pass_task:
+            self._start_pass(task)
+
+    def _start_pass(self, task: int) -> None:
+        if self.state is GradState.REDUCING:  # the previous pass was interrupted by an error
+            self._abandon_round()
+        self._pass_task = task
+        self.take_back()
+        self._reopened = self.state is GradState.REDUCED
+        for bucket in self.buckets:
+            if self._reopened:
+                self.stage.reopen(bucket)
+            for slot in bucket.slots:
+                self.stage.before_pass(bucket, slot)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         slot = self.slots[index]
         slot.used_here = True
         if not self.sync_enabled:
-            self.has_unreduced_local = True
+            if self.state is not GradState.REDUCING:
+                self._to(GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
             return
-        if self.state is RoundState.IDLE:
+        if self.state is not GradState.REDUCING:
             self._open_round()
         if slot.ready:
             raise RuntimeError(
@@ -96,11 +161,23 @@ class GradReducer:
             self._launch(self.buckets[self._next])
 
     def _open_round(self) -> None:
+        self._to(GradState.REDUCING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
         for bucket in self.buckets:
             bucket.start_round()
         self._next = 0
-        self.state = RoundState.REDUCING
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_round)
+
+    def _end_pass(self) -> None:
+        """Autograd finished the pass: finish its reduction round, if it had one; publish ``p.grad``."""
+        self._pass_task = None
+        if self.state is GradState.REDUCING:
+            self._finish_round()
+        elif self.state is GradState.REDUCED and self._reopened:  # no gradient came (torch.autograd.grad)
+            for bucket in self.buckets:
+                self.stage.close(bucket)
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                if slot.used_anywhere and slot.param.grad is None:
+                    slot.param.grad = self.stage.published_grad(bucket, slot)
 
     # ----- collectives -----------------------------------------------------------------------------------
 
@@ -116,7 +193,7 @@ class GradReducer:
         self.stage.finish_reduce(bucket)
 
     def _finish_round(self) -> None:
-        """End of the backward pass: launch what is left, agree on used parameters, drain."""
+        """End of a synchronized pass: launch what is left, agree on used parameters, drain."""
         for bucket in self.buckets[self._next :]:
             for slot in bucket.slots:
                 if not slot.ready:
@@ -126,30 +203,44 @@ class GradReducer:
         if self.fingerprint is not None:
             value = self.fingerprint()
             local += [value, -value]  # MAX of both: equal to (value, -value) only if every rank had value
-        flags = torch.tensor(local, dtype=torch.int32)
+        flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
         while self._in_flight:
             self._complete_oldest()
         agreed = flags.tolist()
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
-        self.state = RoundState.IDLE
-        self.has_unreduced_local = False
+            if used:  # the reduced gradient is in the stage's buffers now, whatever p.grad held
+                slot.param.grad = self.stage.published_grad(slot.bucket, slot)
         if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
-            self.has_reduced = False  # step() must not use these gradients
+            self.clear()  # step() must not use these gradients
             raise RuntimeError(
                 "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
                 "their control flow diverged (e.g. a branch or loop count that depends on each rank's data), so "
                 "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
                 "every rank run the same modules in the same order."
             )
-        self.has_reduced = True
+        self._to(GradState.REDUCED, GradState.REDUCING)
 
-    def reset(self) -> None:
-        """Forget gradients (after ``zero_grad(set_to_none=True)``)."""
-        assert self.state is RoundState.IDLE, "zero_grad() inside a backward pass"
-        self.has_reduced = False
-        self.has_unreduced_local = False
+    def _abandon_round(self) -> None:
+        """Forget a round whose backward pass died with an error (its collectives may never complete)."""
+        self._in_flight.clear()
+        self.state = GradState.ACCUMULATING if any(slot.used_here for slot in self.slots) else GradState.EMPTY
+
+    def clear(self) -> None:
+        """Drop every gradient (``zero_grad(set_to_none=True)``): the stage frees what it can."""
+        if self.state is GradState.REDUCING:
+            self._abandon_round()
+        for bucket in self.buckets:
+            self.stage.zero_grad(bucket, set_to_none=True)
+        self.state = GradState.EMPTY
         for slot in self.slots:
             slot.used_here = False
             slot.used_anywhere = False
+
+    def zero(self) -> None:
+        """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it."""
+        if self.state is GradState.REDUCING:
+            self._abandon_round()
+        for bucket in self.buckets:
+            self.stage.zero_grad(bucket, set_to_none=False)

@@ -4,6 +4,12 @@ Every rank holds whole parameters, whole gradients and whole optimizer state, as
 ``DistributedDataParallel`` does: gradients live in persistent flat buckets (each
 ``p.grad`` is a view into one), each bucket is all-reduced in place as soon as its
 gradients are ready (divided by the world size first, as DDP does). There is one shard per bucket: the whole of it.
+
+Several backward passes before one ``step()`` need nothing special: autograd adds the next
+pass's local gradients to the averaged ones in place, and averaging ``A + g_r`` over ranks
+gives ``A + mean(g)`` because every rank holds the same ``A``. ``p.grad`` is always the real,
+whole, averaged gradient, so ``torch.nn.utils.clip_grad_norm_`` and ``model.zero_grad()`` work
+on it as with DDP.
 """
 
 from __future__ import annotations
@@ -34,6 +40,20 @@ class Stage0:
         for slot in bucket.slots:
             slot.param.grad = bucket.grad_view(slot)
 
+    # ----- one backward pass ----------------------------------------------------------------------------
+
+    def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Point ``p.grad`` where autograd should accumulate in the coming pass: the slot's view of
+        ``grad_buffer`` (it holds the slot's gradient so far, zeros if it has none)."""
+        if slot.param.grad is None:
+            slot.param.grad = bucket.grad_view(slot)
+
+    def reopen(self, bucket: Bucket) -> None:
+        """Reduced gradients are about to receive another pass's local ones (before ``step()``)."""
+
+    def close(self, bucket: Bucket) -> None:
+        """Undo :meth:`reopen`: the pass brought no gradient (``torch.autograd.grad``)."""
+
     def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Make sure the slot's current gradient sits in ``grad_buffer`` (no-op in steady state).
 
@@ -47,6 +67,18 @@ class Stage0:
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
         slot.param.grad = view
+
+    def published_grad(self, bucket: Bucket, slot: ParamSlot):
+        """What ``p.grad`` shows after a reduction: here the whole averaged gradient."""
+        return bucket.grad_view(slot)
+
+    def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """``p.grad`` was replaced after the reduction (``p.grad = p.grad * 2``): copy it in."""
+        self.stage_grad(bucket, slot)
+
+    def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """The user cleared this parameter's gradient (``model.zero_grad()``)."""
+        bucket.grad_view(slot).zero_()
 
     # ----- reduction ----------------------------------------------------------------------------------
 

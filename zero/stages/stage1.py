@@ -6,12 +6,26 @@ in place: afterwards this rank's chunk of ``grad_buffer`` holds the summed gradi
 buffer still holds local gradients, which nothing reads. The inner optimizer steps
 only this rank's chunk, so its state is ``1/N`` of the model; updated chunks are
 then all-gathered in place into ``param_buffer``.
+
+After a reduction ``p.grad`` is a :class:`~zero.sharded_grad.ShardedGrad` guard: no rank has
+the whole averaged gradient.
+
+Note: another backward pass before ``step()`` (accumulation without ``no_sync()``, or two
+losses) must not add its local gradients on top of the averaged chunk: the next reduce-scatter
+would average the mixture. So when such a pass starts (:meth:`reopen`) the averaged chunk is
+set aside in ``grad_carry`` (``1/N`` of the bucket, allocated only then), the pass's local
+gradients are reduced on their own, and :meth:`finish_reduce` adds the carry back: the same
+arithmetic as stage 2's accumulation into its gradient shard.
 """
 
 from __future__ import annotations
 
-from zero.bucket import Bucket
+import torch
+
+from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
+from zero.flat_buffer import FlatBuffer
+from zero.sharded_grad import sharded_grad
 from zero.stages.stage0 import Stage0
 
 
@@ -21,11 +35,90 @@ class Stage1(Stage0):
     def num_shards(self, world_size: int) -> int:
         return world_size
 
+    def init_grads(self, bucket: Bucket) -> None:
+        super().init_grads(bucket)
+        self.init_guards(bucket)
+        params = bucket.param_buffer
+        bucket.grad_carry = FlatBuffer(bucket.layout.chunk_numel, params.dtype, params.data.device, allocate=False)
+
+    def init_guards(self, bucket: Bucket) -> None:
+        """Make each slot's ``p.grad`` guard (one element for the whole bucket)."""
+        buffer = bucket.param_buffer.data
+        nan = torch.full((), float("nan"), dtype=buffer.dtype, device=buffer.device)
+        for slot in bucket.slots:
+            slot.grad_guard = sharded_grad(slot.param, slot.name, self.number, nan)
+
+    # ----- one backward pass ----------------------------------------------------------------------------
+
+    def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """A reduced gradient waits in ``grad_carry`` (see :meth:`reopen`); autograd starts afresh."""
+        if slot.param.grad is slot.grad_guard:
+            slot.param.grad = None
+        else:
+            super().before_pass(bucket, slot)
+
+    def reopen(self, bucket: Bucket) -> None:
+        assert bucket.grad_carry is not None and not bucket.grad_carry.is_allocated
+        bucket.grad_carry.allocate(zero=False)
+        bucket.grad_carry.data.copy_(bucket.grad_shard)
+        bucket.grad_shard.zero_()  # parameters without a reduced gradient accumulate here in place
+
+    def close(self, bucket: Bucket) -> None:
+        bucket.grad_shard.copy_(bucket.grad_carry.data)
+        bucket.grad_carry.free()
+
+    def published_grad(self, bucket: Bucket, slot: ParamSlot):
+        slot.grad_guard._zero_cleared = False
+        return slot.grad_guard
+
+    def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Only the guard (or, without a gradient, the zeros of the slot's view) may be there."""
+        if slot.param.grad.data_ptr() != bucket.grad_view(slot).data_ptr():
+            raise replaced_grad_error(slot, self.number)
+
+    def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        super().clear_grad(bucket, slot)
+        if bucket.grad_carry.is_allocated:
+            bucket.zero_pieces_of(slot, bucket.grad_carry.data)
+
+    # ----- reduction ----------------------------------------------------------------------------------
+
     def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
         self.prescale(bucket, comm)
         return comm.reduce_scatter(
             bucket.chunk_of(bucket.grad_buffer), bucket.grad_buffer.data, what=f"reduce-scatter of {bucket}"
         )
 
+    def finish_reduce(self, bucket: Bucket) -> None:
+        """Add back the reduced gradients set aside by :meth:`reopen`, if any."""
+        if bucket.grad_carry.is_allocated:
+            bucket.grad_shard.add_(bucket.grad_carry.data)
+            bucket.grad_carry.free()
+
+    def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
+        bucket.grad_carry.free()
+        if set_to_none:
+            super().zero_grad(bucket, set_to_none)
+        else:  # PyTorch keeps zero gradients: keep the guards (the parameters still count as having one)
+            bucket.grad_buffer.data.zero_()
+            zero_local_grads(bucket)
+
     def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
         return comm.all_gather(bucket.param_buffer.data, bucket.shard, what=f"all-gather of {bucket}")
+
+
+def replaced_grad_error(slot: ParamSlot, stage: int) -> ValueError:
+    return ValueError(
+        f"p.grad of {slot.name!r} was replaced after backward. At ZeRO stage {stage} the reduced gradient is "
+        "sharded across ranks and p.grad cannot carry it; change gradients with opt.clip_grad_norm_() or a "
+        "gradient hook instead, and clear them with opt.zero_grad() or model.zero_grad(). (Stage 0 keeps whole "
+        "gradients in p.grad.)"
+    )
+
+
+def zero_local_grads(bucket: Bucket) -> None:
+    """Zero gradients autograd holds in ``p.grad`` (not yet reduced), as ``zero_grad(set_to_none=False)`` would."""
+    for slot in bucket.slots:
+        grad = slot.param.grad
+        if grad is not None and grad is not slot.grad_guard:
+            grad.zero_()

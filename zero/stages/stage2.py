@@ -6,7 +6,8 @@ bucket's gradients are in; then they are copied into a fresh ``grad_buffer`` and
 ``p.grad`` is dropped, the buffer is reduce-scattered in place, this rank's chunk
 (already averaged) is added into the persistent ``grad_shard`` (``1/N`` of the bucket),
 and the full buffer's storage is released. At most ``ZeroConfig.max_in_flight_buckets``
-buffers are alive at once during backward.
+buffers are alive at once during backward. Another backward pass before ``step()`` adds
+its reduced chunk to ``grad_shard``, as PyTorch accumulates into ``p.grad``.
 
 Note: filling the buffer at launch rather than as each gradient arrives matters for the
 peak. The first gradient of a bucket arrives when backward has just reached its layers
@@ -21,7 +22,7 @@ from __future__ import annotations
 from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
 from zero.flat_buffer import FlatBuffer
-from zero.stages.stage1 import Stage1
+from zero.stages.stage1 import Stage1, replaced_grad_error, zero_local_grads
 
 
 class Stage2(Stage1):
@@ -33,9 +34,32 @@ class Stage2(Stage1):
         chunk = bucket.layout.chunk_numel
         bucket.grad_shard_buffer = FlatBuffer(chunk, params.dtype, params.data.device, allocate=False)
         bucket.grad_shard = bucket.grad_shard_buffer.data
+        self.init_guards(bucket)
+
+    # ----- one backward pass ----------------------------------------------------------------------------
+
+    def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """Autograd allocates ``p.grad`` afresh; the reduced gradient so far waits in ``grad_shard``."""
+        if slot.param.grad is slot.grad_guard:
+            slot.param.grad = None
+
+    def reopen(self, bucket: Bucket) -> None:
+        """Nothing to set aside: the next reduction is added to ``grad_shard``."""
+
+    def close(self, bucket: Bucket) -> None:
+        """Nothing was set aside."""
 
     def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Nothing yet: the gradient waits in ``p.grad`` until the bucket is launched."""
+
+    def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        raise replaced_grad_error(slot, self.number)
+
+    def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
+        if bucket.grad_shard_buffer.is_allocated:
+            bucket.zero_pieces_of(slot, bucket.grad_shard)
+
+    # ----- reduction ----------------------------------------------------------------------------------
 
     def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
         """Move the bucket's gradients into a fresh staging buffer, release each ``p.grad``, reduce."""
@@ -71,10 +95,12 @@ class Stage2(Stage1):
         bucket.grad_buffer.free()
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
-        """Drop (or zero) the gradient shard; ``p.grad`` is already ``None`` at stage 2."""
+        """Drop (or zero) the gradient shard; with ``set_to_none`` also every ``p.grad``."""
         if set_to_none:
             bucket.grad_shard_buffer.free()
-        elif bucket.grad_shard_buffer.is_allocated:
+            for slot in bucket.slots:
+                slot.param.grad = None
+            return
+        if bucket.grad_shard_buffer.is_allocated:
             bucket.grad_shard.zero_()
-        for slot in bucket.slots:
-            slot.param.grad = None
+        zero_local_grads(bucket)

@@ -1,0 +1,173 @@
+"""The calls users make around the optimizer (world size 1, no process group): each exact or a loud error.
+
+``model.zero_grad()`` (Hugging Face Trainer), ``torch.nn.utils.clip_grad_norm_``, ``p.grad`` edits,
+``model.to()`` after wrapping. The multi-rank versions run in ``tests/distributed`` (scenarios
+``zero_grad_paths`` and ``passes3``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zero import ZeroOptimizer
+
+STAGES = (0, 1, 2, 3)
+
+
+class Net(nn.Module):
+    """Blocks in an nn.ModuleList (stage-3 units), a head, and a branch used on odd steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.head = nn.Linear(6, 1)
+        self.aux = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        if use_aux:
+            x = x + self.aux(x)
+        return self.head(x).square().mean()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+
+
+def params(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    with opt.gathered_parameters() if isinstance(opt, ZeroOptimizer) else torch.no_grad():
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def run(stage: int | None, clear, steps: int = 6, passes: int = 1) -> torch.Tensor:
+    """Train with SGD (momentum, weight decay); ``clear(model, opt, step)`` after each step."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if stage is not None:
+        opt = ZeroOptimizer(opt, model, stage=stage)
+    for step in range(steps):
+        for _ in range(passes):
+            (model(batch(step), use_aux=step % 2 == 1) / passes).backward()
+        opt.step()
+        clear(model, opt, step)
+    return params(model, opt)
+
+
+def clear_like_trainer(model, opt, step):
+    model.zero_grad()
+
+
+def clear_in_turn(model, opt, step):
+    if step % 3 == 0:
+        model.zero_grad()
+    elif step % 3 == 1:
+        model.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("clear", [clear_like_trainer, clear_in_turn], ids=["model_zero_grad", "in_turn"])
+def test_model_zero_grad_is_opt_zero_grad(stage, clear):
+    """model.zero_grad() (both modes) and skipping it altogether train as plain PyTorch does."""
+    expected = run(None, clear)
+    got = run(stage, clear)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_several_backward_passes_before_step(stage):
+    expected = run(None, lambda m, o, s: o.zero_grad(), passes=3)
+    torch.testing.assert_close(run(stage, lambda m, o, s: o.zero_grad(), passes=3), expected, rtol=0, atol=1e-6)
+
+
+def wrapped(stage: int):
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+    model(batch(0)).backward()
+    return model, opt
+
+
+def test_torch_clip_grad_norm_is_exact_at_stage_0():
+    model, opt = wrapped(0)
+    plain = Net()
+    plain(batch(0)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01) == expected
+    for p, q in zip(model.parameters(), plain.parameters()):
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_clip_grad_norm_fails_loudly_when_gradients_are_sharded(stage):
+    model, opt = wrapped(stage)
+    with pytest.raises(RuntimeError, match=r"sharded across ranks.*opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="sharded across ranks"):
+        model.head.weight.grad.sum()
+    assert opt.clip_grad_norm_(1.0) > 0  # the supported path still works
+    opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_replacing_a_sharded_gradient_is_refused(stage):
+    model, opt = wrapped(stage)
+    model.head.bias.grad = torch.zeros(model.head.bias.shape)
+    with pytest.raises(ValueError, match=r"p.grad of 'head.bias' was replaced"):
+        opt.step()
+
+
+def test_replacing_a_gradient_at_stage_0_is_used():
+    model, opt = wrapped(0)
+    plain = Net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(batch(0)).backward()
+    for m in (model, plain):
+        m.head.weight.grad = m.head.weight.grad * 3
+    opt.step()
+    plain_opt.step()
+    assert torch.equal(params(model, opt), params(plain, plain_opt))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("cast", ["double", "bfloat16"])
+def test_cast_after_wrapping_fails_at_the_next_forward(stage, cast):
+    model, opt = wrapped(stage)
+    opt.step()
+    opt.zero_grad()
+    getattr(model, cast)()
+    with pytest.raises(ValueError, match=r"changed dtype or device after ZeroOptimizer wrapped the model"):
+        model(batch(1).to(getattr(torch, "float64" if cast == "double" else cast)))
+
+
+@pytest.mark.parametrize("with_grads", [False, True])
+def test_cast_after_wrapping_fails_at_once_at_stage_3(with_grads):
+    model, opt = wrapped(3)
+    if not with_grads:
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"changed dtype or device after ZeroOptimizer wrapped the model"):
+        model.double()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_to_its_own_device_is_harmless(stage):
+    expected = run(stage, lambda m, o, s: o.zero_grad())
+
+    def clear_and_move(model, opt, step):
+        model.to("cpu")  # with gradients (guards at stages 1-3) still in p.grad
+        opt.zero_grad()
+        model.float()
+
+    torch.testing.assert_close(run(stage, clear_and_move), expected, rtol=0, atol=0)
+
+
+def test_gathered_parameters_with_a_frozen_parameter_outside_the_optimizer():
+    model = Net()
+    model.blocks[0].requires_grad_(False)
+    opt = ZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), model, stage=3)
+    with opt.gathered_parameters(model):
+        assert torch.isfinite(model.blocks[0].weight).all()
+    assert opt.partition.frozen_numel == sum(p.numel() for p in model.blocks[0].parameters())
