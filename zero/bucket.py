@@ -22,6 +22,7 @@ Per backward pass it also tracks which parameters have handed in their gradient.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -39,8 +40,8 @@ class ParamSlot:
 
     param: torch.nn.Parameter
     name: str
-    group_index: int  # index of its param group in the wrapped optimizer
-    bucket: "Bucket"
+    group_index: int  # index of its param group in the wrapped optimizer (-1: frozen, not stepped)
+    bucket_ref: "weakref.ref[Bucket]"  # weak: the bucket holds its slots, and a cycle would outlive the model
     span: ParamSpan
     order: int = 0  # position in model.named_parameters()
     view: torch.Tensor | None = None  # the parameter's shape, inside ``bucket.param_buffer``
@@ -49,6 +50,10 @@ class ParamSlot:
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass
+
+    @property
+    def bucket(self) -> "Bucket":
+        return self.bucket_ref()
 
     @property
     def has_grad(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -44,11 +45,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     averaged over ranks, and parameters that got no gradient on any rank are skipped,
     exactly as PyTorch skips ``p.grad is None``.
 
+    Gradients follow PyTorch's rules whatever clears them: ``model.zero_grad()`` (both
+    modes) is the same as :meth:`zero_grad`, no clearing accumulates into the next step, and
+    several backward passes before :meth:`step` add up. At stage 0 ``p.grad`` is the whole
+    averaged gradient; at stages 1-3 no rank holds it, so ``p.grad`` is a guard
+    (:class:`zero.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
+    :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``. Changing the model's
+    dtype or device after wrapping is refused.
+
     Args:
         optimizer: an instance of an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW,
             Adagrad, RMSprop, ...) over parameters of ``model``.
         model: the module being trained. Its trainable parameters become views into flat
-            buffers owned by this optimizer; buffers and frozen parameters are left alone.
+            buffers owned by this optimizer; buffers are left alone, and so are frozen
+            parameters at stages 0-2 (stage 3 shards them too, gathered with their unit).
         config: a :class:`ZeroConfig`; keyword ``overrides`` (``stage=2``, ``bucket_size_mb=...``)
             are applied on top of it.
         process_group: the data-parallel group; defaults to the default group if one is
@@ -92,6 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan=self._unit_plan(),
             device=self._init_device,
         )
+        self._claim_parameters()
         for bucket in self.buckets:
             self.zero_stage.init_params(bucket)
             if bucket.trainable:
@@ -120,7 +131,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer = GradReducer(
             self.partition.trainable_buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets, fingerprint
         )
-        self._forward_check = model.register_forward_pre_hook(weak_hook(self._check_model), prepend=True)
+        check = torch.compiler.disable(weak_hook(self._check_model))  # eager under torch.compile
+        self._forward_check = model.register_forward_pre_hook(check, prepend=True)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -348,6 +360,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         whole = self._gatherer is None
         for bucket in self.buckets:
             bucket.check_attached(whole=whole)
+
+    def _claim_parameters(self) -> None:
+        """Mark every parameter this optimizer manages; refuse one that another live ZeroOptimizer manages
+        (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
+        slots = [slot for bucket in self.buckets for slot in bucket.slots]
+        for slot in slots:
+            owner = getattr(slot.param, "_zero_owner", None)
+            if owner is not None and owner() is not None:
+                raise ValueError(
+                    f"parameter {slot.name!r} is already managed by another ZeroOptimizer; a parameter can belong "
+                    "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (or drop the "
+                    "first optimizer before building a new one)."
+                )
+        for slot in slots:
+            slot.param._zero_owner = weakref.ref(self)
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta

@@ -5,6 +5,7 @@ The stage then fills them (``Stage.init_params``): whole parameters at stages 0-
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -126,6 +127,6 @@ def build_partition(
         bucket.unit = units[unit_of[first]] if units else None
         for span in layout.spans:
             p = packed[span.param_index]
-            bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), bucket, span, order[p]))
+            bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p]))
         buckets.append(bucket)
     return Partition(buckets, frozen, units)

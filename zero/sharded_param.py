@@ -119,8 +119,9 @@ def make_sharded(param: nn.Parameter, name: str) -> ZeroParameter:
     """Turn ``param`` (the same object) into a :class:`ZeroParameter`; it starts gathered."""
     if type(param) is ZeroParameter:
         raise ValueError(
-            f"parameter {name!r} is already managed by another stage-3 ZeroOptimizer; a parameter can belong "
-            "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (and modules)."
+            f"parameter {name!r} was sharded by a stage-3 ZeroOptimizer, which keeps it sharded for good (also "
+            "after that optimizer is dropped); a parameter can belong to one ZeroOptimizer only. Give each "
+            "optimizer a disjoint set of parameters, or build the model anew."
         )
     if type(param) is not nn.Parameter:
         raise ValueError(

@@ -319,6 +319,24 @@ def inference_matches(rank: int, world_size: int) -> dict:
     return {"max_diff": float((got - expected).abs().max()), "gathered_after": gathered}
 
 
+def compiled_stage3_matches(rank: int, world_size: int) -> float:
+    """Max |difference| between stage 3 under ``torch.compile(model)`` and stage 3 eager (3 SGD steps)."""
+
+    def run(compiled: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        model = build_model()
+        opt = ZeroOptimizer(make_optimizer("sgd", model), model, stage=3)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        for step in range(3):
+            x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
+            forward(local_slice(x, rank, world_size), local_slice(y, rank, world_size), step % 2 == 1).backward()
+            opt.step()
+            opt.zero_grad()
+        return flat_params(model, opt)
+
+    return float((run(True) - run(False)).abs().max())
+
+
 def world_checks(rank: int, world_size: int) -> dict:
     """Everything one world runs: parity runs (DDP and each stage), memory, resume, Hugging Face models,
     stage 3's traffic, meta initialization and inference, and the memory tracker's runs."""
@@ -337,5 +355,6 @@ def world_checks(rank: int, world_size: int) -> dict:
         "traffic3": {keep: stage3_traffic(rank, world_size, keep) for keep in (True, False)},
         "meta_init": meta_init_matches(rank, world_size),
         "inference": inference_matches(rank, world_size),
+        "compiled3": compiled_stage3_matches(rank, world_size),
         "profile": profile_checks(rank, world_size),
     }

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from torch import nn
 
+from tests.toy import Stack
 from zero import ZeroConfig, ZeroOptimizer
 
 INT_BOUNDS = {"stage": (0, 3), "max_in_flight_buckets": (1, 2**16), "prefetch_units": (0, 2**16)}
@@ -27,19 +28,6 @@ BOOLS = ("sync_module_states", "reshard_after_forward", "force_collectives")
 FIELDS = (*INT_BOUNDS, *FLOAT_BOUNDS, *BOOLS, "unit_classes")
 CLASS_NAMES = ("Stack", "Linear", "ModuleList", "ModuleDict", "Block", "", " Linear", "a.B", "Linear2", "é")
 STACK_CLASSES = {"Stack", "Linear", "ModuleList"}  # type(m).__name__ for m in Stack().modules()
-
-
-class Stack(nn.Module):
-    """Stage 3's model: two Linear layers in an nn.ModuleList (one default unit each)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 2)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 # ----- the oracle ------------------------------------------------------------------------------------

@@ -15,24 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.toy import Stack
 from zero import ZeroOptimizer, checkpoint
 
 STAGES = [0, 1, 2, 3]
 SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
-
-
-class Stack(nn.Module):
-    """Two Linear layers in an nn.ModuleList: one stage-3 unit each."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 2)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def build(stage: int, optimizer=ADAMW, one_group: bool = False) -> tuple[nn.Module, ZeroOptimizer]:

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -171,3 +174,64 @@ def test_gathered_parameters_with_a_frozen_parameter_outside_the_optimizer():
     with opt.gathered_parameters(model):
         assert torch.isfinite(model.blocks[0].weight).all()
     assert opt.partition.frozen_numel == sum(p.numel() for p in model.blocks[0].parameters())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_optimizers_over_one_parameter_are_refused(stage):
+    model = Net()
+    first = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+    with pytest.raises(ValueError, match=r"'head\.(weight|bias)' is already managed by another ZeroOptimizer"):
+        ZeroOptimizer(torch.optim.SGD(model.head.parameters(), lr=0.1), model, stage=stage)
+    assert first is not None
+    if stage < 3:  # once the first is dropped, the model can be wrapped again (stage 3 keeps it sharded)
+        del first
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_and_optimizer_are_freed_without_the_garbage_collector(stage):
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # torch's first optimizer leaves a frame cycle
+    gc.collect()
+    gc.disable()
+    try:
+        model = Net()
+        opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+        model(batch(0)).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        refs = [weakref.ref(model), weakref.ref(opt)] + [weakref.ref(p) for p in model.parameters()]
+        del model, opt
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+
+
+def _compiled_run(how: str) -> tuple[list[float], torch.Tensor]:
+    torch._dynamo.reset()
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, stage=3)
+    forward = model
+    if how == "model":
+        forward = torch.compile(model, backend="aot_eager")
+    elif how == "blocks":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    losses = []
+    for step in range(3):
+        loss = forward(batch(step), use_aux=step % 2 == 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, params(model, opt)
+
+
+@pytest.mark.parametrize("how", ["model", "blocks"])
+def test_torch_compile_at_stage_3(how):
+    """Whole-model and per-unit compile: the gathering hooks run eagerly (graph breaks), the units'
+    forwards compile; training matches the eager run."""
+    expected_losses, expected = _compiled_run("eager")
+    losses, got = _compiled_run(how)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -115,8 +115,12 @@ class ParamGatherer:
         self._fingerprint = 0
         self._hooks = []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(weak_hook(self._pre_forward, unit.index)))
-            self._hooks.append(unit.module.register_forward_hook(weak_hook(self._post_forward, unit.index)))
+            # Under torch.compile the hooks run eagerly (a graph break each): they gather, release and
+            # prefetch, which dynamo cannot trace; the unit's forward between them compiles as usual.
+            pre = torch.compiler.disable(weak_hook(self._pre_forward, unit.index))
+            post = torch.compiler.disable(weak_hook(self._post_forward, unit.index))
+            self._hooks.append(unit.module.register_forward_pre_hook(pre))
+            self._hooks.append(unit.module.register_forward_hook(post))
             for bucket in unit.buckets:
                 for slot in bucket.slots if bucket.trainable else []:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
