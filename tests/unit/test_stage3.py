@@ -81,7 +81,8 @@ def test_units_skipped_or_called_twice_are_bit_identical():
     orders = [[0, 1, 2], [0, 0, 2], [2], [1, 1, 1, 0]]  # block 1 unused on steps 1-2; units repeat
     run = lambda model, step: model(torch.linspace(-1, 1, 32).view(4, 8), orders[step])  # noqa: E731
     ref = _train(Blocks, run, stage3=False)
-    ours = _train(Blocks, run, stage3=True)
+    with pytest.warns(UserWarning, match=r"ran unit 'blocks.0' as unit #2 .* first forward pass ran unit 'blocks.1'"):
+        ours = _train(Blocks, run, stage3=True)  # (an order that changes on every rank alike is only a warning)
     assert ours[0] == ref[0]
     assert torch.equal(ours[1], ref[1])
 
