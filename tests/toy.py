@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Stack(nn.Module):
@@ -17,3 +18,59 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class Net(nn.Module):
+    """Blocks in an nn.ModuleList (stage-3 units), a head, and a branch used on odd steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.head = nn.Linear(6, 1)
+        self.aux = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        if use_aux:
+            x = x + self.aux(x)
+        return self.head(x).square().mean()
+
+
+def batch(step: int, rows: int = 6) -> torch.Tensor:
+    """A reproducible input batch (6 rows: divisible by world sizes 1, 2 and 3)."""
+    return torch.randn(rows, 6, generator=torch.Generator().manual_seed(step))
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises when ``armed``: an error in the middle of a backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.armed = armed
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.armed:
+            raise RuntimeError("boom")
+        return grad, None
+
+
+class CheckpointedNet(Net):
+    """Net with its blocks under activation checkpointing, and an optional error between them."""
+
+    def __init__(self, reentrant: bool, first_grad_inside: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.first_grad_inside = reentrant, first_grad_inside
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False, boom: bool = False) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        x = Boom.apply(x, boom)  # block 1 and the head get their gradients first
+        x = checkpoint(lambda h: torch.tanh(self.blocks[1](h)), x, use_reentrant=self.reentrant)
+        if use_aux:
+            x = x + self.aux(x)
+        if self.first_grad_inside:
+            return checkpoint(lambda h: self.head(h).square().mean(), x, use_reentrant=self.reentrant)
+        return self.head(x).square().mean()

@@ -47,6 +47,7 @@ class ParamSlot:
     view: torch.Tensor | None = None  # the parameter's shape, inside ``bucket.param_buffer``
     placeholder: torch.Tensor | None = None  # stage 3: its ``.data`` while sharded
     grad_guard: torch.Tensor | None = None  # stages 1-3: its p.grad while the reduced gradient is sharded
+    local_grad: torch.Tensor | None = None  # stages 1-3: no_sync() gradients kept behind the guard between passes
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass
@@ -207,6 +208,8 @@ class Bucket:
             grad = slot.param.grad
             if grad is not None:  # stages 2-3: autograd's gradient, not yet staged; or a guard
                 yield MemoryItem("gradients", "placeholder" if grad is slot.grad_guard else "whole", grad, module)
+            if slot.local_grad is not None:
+                yield MemoryItem("gradients", "whole", slot.local_grad, module)
             if slot.placeholder is not None:
                 yield MemoryItem("parameters", "placeholder", slot.placeholder, module)
 

@@ -129,10 +129,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         fingerprint = self._gatherer.take_fingerprint if self._gatherer is not None else None
         self._reducer = GradReducer(
-            self.partition.trainable_buckets, self.zero_stage, self.comm, self.config.max_in_flight_buckets, fingerprint
+            self.partition.trainable_buckets,
+            self.zero_stage,
+            self.comm,
+            self.config.max_in_flight_buckets,
+            fingerprint,
+            check=weak_hook(self._check_model),
         )
-        check = torch.compiler.disable(weak_hook(self._check_model))  # eager under torch.compile
-        self._forward_check = model.register_forward_pre_hook(check, prepend=True)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm (same on every rank).
         """
         self._reducer.take_back()
-        self._require_reduced_grads("clip_grad_norm_()")
+        self._check_model()
+        self._reducer.require_reduced("clip_grad_norm_()")
         grads = self._local_grads()
         norm_type = float(norm_type)
         # Per-tensor norms, then the norm of the norms, in fp32 and model order: the same
@@ -213,7 +217,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._reducer.take_back()
-        self._require_reduced_grads("step()")
+        self._check_model()
+        self._reducer.require_reduced("step()")
         frozen = self.partition.frozen + [(slot.name, slot.param) for slot in self.partition.frozen_slots]
         for name, p in frozen:
             if p.grad is not None:
@@ -251,6 +256,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Call it on every rank, with the same targets, outside forward and backward. At stages
         0-2 parameters are always whole and only ``modifier_rank`` has an effect.
         """
+        self._reducer.settle()
         if self._reducer.state is GradState.REDUCING or (self._gatherer is not None and self._gatherer.in_forward):
             raise ValueError("gathered_parameters() cannot be used inside forward or backward")
         buckets = self._buckets_of(targets)
@@ -319,6 +325,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
         grads += [b.grad_carry.data for b in self.buckets if b.grad_carry is not None]
         grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]  # guards: 1 element
+        grads += [s.local_grad for s in self.partition.slots if s.local_grad is not None]
         states = [v for s in self._inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return ModelStateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(states))
 
@@ -339,27 +346,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's reduced gradient pieces of parameters that have a gradient, in model order."""
         return [p.slot.bucket.grad_piece(p) for p in self._pieces_in_model_order if p.slot.used_anywhere]
 
-    def _require_reduced_grads(self, what: str) -> None:
-        state = self._reducer.state
-        if state is GradState.ACCUMULATING:
-            raise ValueError(
-                f"{what} called after backward passes inside no_sync() only: those gradients were never "
-                "reduced across ranks. Run the last micro-batch's backward outside no_sync()."
-            )
-        if state is GradState.EMPTY:
-            raise ValueError(f"{what} called before backward(): there are no gradients to use yet")
-        if state is GradState.REDUCING:
-            raise ValueError(f"{what} called inside a backward pass (from a hook?); call it after backward()")
-
     def _no_norm(self) -> torch.Tensor:
         """The norm of no gradient at all (no piece of a parameter with a gradient falls in this shard)."""
         return torch.zeros((), device=self.comm.device)
 
-    def _check_model(self, module: torch.nn.Module, args: Any) -> None:
-        """Before each forward: the model's parameters must still be the ones this optimizer manages."""
+    def _check_model(self) -> None:
+        """As each backward pass starts and before a step: the model must still use the parameters this
+        optimizer manages, with their dtype, device and (stages 0-2) storage."""
         whole = self._gatherer is None
         for bucket in self.buckets:
             bucket.check_attached(whole=whole)
+        current = dict(self.module.named_parameters())
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                if current.get(slot.name) is not slot.param:
+                    raise ValueError(
+                        f"the model's parameter {slot.name!r} is no longer the one ZeroOptimizer manages: it was "
+                        "replaced after wrapping (load_state_dict(assign=True), an assignment, or a conversion "
+                        "that swaps parameters). Load weights with load_state_dict() (it copies), or build the "
+                        "ZeroOptimizer after replacing them."
+                    )
 
     def _claim_parameters(self) -> None:
         """Mark every parameter this optimizer manages; refuse one that another live ZeroOptimizer manages
@@ -367,14 +373,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         slots = [slot for bucket in self.buckets for slot in bucket.slots]
         for slot in slots:
             owner = getattr(slot.param, "_zero_owner", None)
-            if owner is not None and owner() is not None:
+            if owner is not None and owner.alive:
                 raise ValueError(
                     f"parameter {slot.name!r} is already managed by another ZeroOptimizer; a parameter can belong "
                     "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (or drop the "
                     "first optimizer before building a new one)."
                 )
         for slot in slots:
-            slot.param._zero_owner = weakref.ref(self)
+            slot.param._zero_owner = OwnerRef(self)
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
@@ -432,6 +438,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             partition=self.partition,
             optimizer=self._inner,
         )
+
+
+class OwnerRef:
+    """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
+
+    def __init__(self, owner: object | None = None):
+        self._ref = weakref.ref(owner) if owner is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._ref is not None and self._ref() is not None
+
+    def __reduce__(self):
+        return (OwnerRef, ())
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:

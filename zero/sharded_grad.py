@@ -44,7 +44,12 @@ class ShardedGrad(torch.Tensor):
             if name in _ZEROING:
                 for guard in guards:
                     guard._zero_cleared = True
-                return args[0] if name == "zero_" else None
+                if name == "zero_":
+                    return args[0]
+                others = [t for t in args[0] if type(t) is not ShardedGrad]  # _foreach_zero_(list)
+                if others:
+                    torch._foreach_zero_(others)
+                return None
             if name in _HARMLESS:
                 return args[0]
             if is_conversion(func):

@@ -25,7 +25,7 @@ METADATA = frozenset(
         "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__hash__", "requires_grad_",
         "register_hook", "register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks", "_backward_hooks",
         "__len__", "get_device", "_is_view", "nbytes", "itemsize", "type", "is_pinned",
-        "_has_compatible_shallow_copy_type",
+        "_has_compatible_shallow_copy_type", "backward",  # backward(inputs=[params]): hooks gather as needed
     }
 )
 

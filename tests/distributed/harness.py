@@ -45,6 +45,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
     dist.destroy_process_group()
 
 
+def _failed(path: Path, proc) -> bool:
+    """A rank that wrote an error, or died without writing anything."""
+    if path.exists():
+        return "error" in torch.load(path, weights_only=False)
+    return not proc.is_alive()
+
+
 def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank.
 
@@ -53,29 +60,41 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600)
     are ranks still tearing down ``TEARDOWN_S`` after every result is in (a test that left a
     collective unmatched on purpose cannot destroy its process group).
     """
+    outcomes = run_world_outcomes(fn, world_size, *args, timeout_s=timeout_s, fail_fast=True)
+    for outcome in outcomes:
+        if "ok" not in outcome:
+            raise AssertionError("a rank failed:\n" + outcome.get("error", f"it died: {outcome}"))
+    return [outcome["ok"] for outcome in outcomes]
+
+
+def run_world_outcomes(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 600, fail_fast: bool = False
+) -> list[dict]:
+    """Like :func:`run_world`, but every rank's outcome, whatever it is: ``{"ok": result}``, ``{"error":
+    traceback}`` or ``{"exitcode": code}`` for a rank that died without a result (e.g. gloo aborted it).
+    Only a world that outlives ``timeout_s`` raises. With ``fail_fast`` the other ranks are killed as soon
+    as one fails (they might otherwise wait for it in a collective)."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry, args=(fn, world_size, _free_port(), outdir, args), nprocs=world_size, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + timeout_s
         paths = [Path(outdir) / f"rank{r}.pt" for r in range(world_size)]
-        done_at = None
         try:
-            while not ctx.join(timeout=1):
+            while not all(p.exists() or not proc.is_alive() for p, proc in zip(paths, ctx.processes)):
+                if fail_fast and any(_failed(p, proc) for p, proc in zip(paths, ctx.processes)):
+                    break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"world of {world_size} ranks running {fn.__name__} exceeded {timeout_s}s")
-                if done_at is None and all(p.exists() for p in paths):
-                    done_at = time.monotonic()
-                if done_at is not None and time.monotonic() - done_at > TEARDOWN_S:
-                    break
-        except mp.ProcessRaisedException as err:
-            raise AssertionError(f"a rank failed:\n{err}") from None
+                time.sleep(0.2)
+            teardown = time.monotonic() + TEARDOWN_S
+            while any(proc.is_alive() for proc in ctx.processes) and time.monotonic() < teardown:
+                time.sleep(0.2)
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results = [torch.load(p, weights_only=False) for p in paths]
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise AssertionError("a rank failed:\n" + errors[0])
-    return [r["ok"] for r in results]
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+        return [
+            torch.load(p, weights_only=False) if p.exists() else {"exitcode": proc.exitcode}
+            for p, proc in zip(paths, ctx.processes)
+        ]

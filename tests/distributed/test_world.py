@@ -180,3 +180,12 @@ def test_stage3_under_torch_compile_trains_like_eager(world):
     _, results = world
     for r in results:
         assert r["compiled3"] <= 1e-6
+
+
+def test_checkpointing_and_an_interrupted_backward_train_like_single_process(world):
+    """Reentrant activation checkpointing (a backward nested in the pass), and an error in the middle
+    of a backward pass followed by zero_grad() and a retry (its collectives drained first)."""
+    _, results = world
+    for r in results:
+        for (case, stage), diff in r["toy_paths"].items():
+            assert diff <= 1e-6, (case, stage, diff)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.profile_world import profile_checks
+from tests.toy import CheckpointedNet, batch
 from zero import ZeroOptimizer, init_sharded
 from zero.memory import live_tensor_bytes, storage_bytes
 from zero.models import GPT, GPTConfig, init_gpt_weights, local_slice, synthetic_batch
@@ -337,6 +338,36 @@ def compiled_stage3_matches(rank: int, world_size: int) -> float:
     return float((run(True) - run(False)).abs().max())
 
 
+def toy_paths(rank: int, world_size: int) -> dict:
+    """Max |difference| from single-process PyTorch, per (case, stage), on the small ``CheckpointedNet``:
+    "reentrant" (blocks under reentrant activation checkpointing) and "interrupted" (an error in the
+    middle of a backward pass on step 1, then ``zero_grad()`` and the step again)."""
+
+    def run(case: str, stage: int | None) -> torch.Tensor:
+        model = CheckpointedNet(reentrant=case == "reentrant")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        if stage is not None:
+            opt = ZeroOptimizer(opt, model, stage=stage, bucket_size_mb=1e-4)  # a bucket per parameter
+        for step in range(4):
+            x = batch(step) if stage is None else local_slice(batch(step), rank, world_size)
+            if case == "interrupted" and step == 1:
+                try:
+                    model(x, boom=True).backward()
+                except RuntimeError:
+                    opt.zero_grad()
+            model(x, step % 2 == 1).backward()
+            opt.step()
+            opt.zero_grad()
+        return flat_params(model, opt)
+
+    out = {}
+    for case in ("reentrant", "interrupted"):
+        ref = run(case, None)
+        for stage in STAGES:
+            out[(case, stage)] = float((run(case, stage) - ref).abs().max())
+    return out
+
+
 def world_checks(rank: int, world_size: int) -> dict:
     """Everything one world runs: parity runs (DDP and each stage), memory, resume, Hugging Face models,
     stage 3's traffic, meta initialization and inference, and the memory tracker's runs."""
@@ -356,5 +387,6 @@ def world_checks(rank: int, world_size: int) -> dict:
         "meta_init": meta_init_matches(rank, world_size),
         "inference": inference_matches(rank, world_size),
         "compiled3": compiled_stage3_matches(rank, world_size),
+        "toy_paths": toy_paths(rank, world_size),
         "profile": profile_checks(rank, world_size),
     }

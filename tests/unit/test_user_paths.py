@@ -14,31 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.toy import CheckpointedNet, Net, batch
 from zero import ZeroOptimizer
 
 STAGES = (0, 1, 2, 3)
-
-
-class Net(nn.Module):
-    """Blocks in an nn.ModuleList (stage-3 units), a head, and a branch used on odd steps only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
-        self.head = nn.Linear(6, 1)
-        self.aux = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        if use_aux:
-            x = x + self.aux(x)
-        return self.head(x).square().mean()
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
 
 
 def params(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
@@ -137,13 +116,29 @@ def test_replacing_a_gradient_at_stage_0_is_used():
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("cast", ["double", "bfloat16"])
-def test_cast_after_wrapping_fails_at_the_next_forward(stage, cast):
+def test_cast_after_wrapping_fails_before_a_gradient_is_used(stage, cast):
+    """Stages 0-2: the next backward pass (before autograd accumulates anything) or step() refuses."""
     model, opt = wrapped(stage)
     opt.step()
     opt.zero_grad()
     getattr(model, cast)()
-    with pytest.raises(ValueError, match=r"changed dtype or device after ZeroOptimizer wrapped the model"):
-        model(batch(1).to(getattr(torch, "float64" if cast == "double" else cast)))
+    x = batch(1).to(getattr(torch, "float64" if cast == "double" else cast))
+    message = r"changed dtype or device after ZeroOptimizer wrapped the model"
+    with pytest.raises(ValueError, match=message):
+        model.blocks[0](x).sum().backward()  # (through a child module too)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_replaced_after_wrapping_are_refused(stage):
+    model, opt = wrapped(stage)
+    opt.step()
+    fresh = Net()
+    model.load_state_dict(fresh.state_dict(), assign=True)  # new Parameter objects
+    model(batch(1)).backward()
+    with pytest.raises(ValueError, match=r"'(\w|\.)+' is no longer the one ZeroOptimizer manages"):
+        opt.step()
 
 
 @pytest.mark.parametrize("with_grads", [False, True])
@@ -235,3 +230,130 @@ def test_torch_compile_at_stage_3(how):
     losses, got = _compiled_run(how)
     assert losses == pytest.approx(expected_losses, rel=1e-6)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+# ----- reviewed corner cases: each equal to plain PyTorch doing the same, or a clear error ----------------
+
+
+def train_like(stage, build, body, steps=4):
+    """``body(model, opt, step)`` does a step's backward passes; then step() and zero_grad() as usual."""
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if stage is not None:
+        opt = ZeroOptimizer(opt, model, stage=stage)
+    for step in range(steps):
+        body(model, opt, step)
+        opt.step()
+        opt.zero_grad()
+    return params(model, opt)
+
+
+def same_as_pytorch(stage, build, body):
+    torch.testing.assert_close(train_like(stage, build, body), train_like(None, build, body), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing(stage, reentrant):
+    same_as_pytorch(stage, lambda: CheckpointedNet(reentrant), lambda m, o, s: m(batch(s), s % 2 == 1).backward())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_reentrant_checkpointing_around_the_first_gradients_is_refused(stage):
+    model = CheckpointedNet(reentrant=True, first_grad_inside=True)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+    assert opt.zero_stage.number == stage
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        model(batch(0)).backward()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_error_inside_backward_then_zero_grad_and_retry(stage):
+    def body(model, opt, step):
+        if step == 1:
+            with pytest.raises(RuntimeError, match="boom"):
+                model(batch(step), boom=True).backward()
+            if isinstance(opt, ZeroOptimizer):  # incomplete gradients are refused until cleared
+                with pytest.raises(ValueError, match="last backward pass failed"):
+                    opt.step()
+                model.zero_grad(set_to_none=False)
+                with pytest.raises(ValueError, match="last backward pass failed"):
+                    model(batch(step)).backward()
+            opt.zero_grad()
+        model(batch(step), s % 2 == 1 if (s := step) else False).backward()
+
+    same_as_pytorch(stage, lambda: CheckpointedNet(reentrant=False), body)
+
+
+def test_a_gradient_given_to_an_unused_parameter_at_stage_0():
+    def body(model, opt, step):
+        model(batch(step)).backward()  # aux unused: no gradient
+        assert model.aux.weight.grad is None
+        model.aux.weight.grad = torch.full_like(model.aux.weight, 0.5)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.add_(0.01)
+
+    same_as_pytorch(0, Net, body)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_zero_grad_then_opt_zero_grad_keeping_zeros(stage):
+    def body(model, opt, step):
+        model(batch(step), step % 2 == 0).backward()
+        if step == 1:
+            model.zero_grad()
+            opt.zero_grad(set_to_none=False)  # nothing to keep: no parameter has a gradient
+            model(batch(step)).backward()
+
+    same_as_pytorch(stage, Net, body)
+
+
+def halve(param: torch.Tensor) -> None:
+    param.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_gradient_hook_registered_after_wrapping_sees_the_gradient_first(stage):
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+    model.head.weight.register_post_accumulate_grad_hook(halve)  # runs after ZeroOptimizer's own hook
+    plain = Net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain.head.weight.register_post_accumulate_grad_hook(halve)
+    for step in range(3):
+        for m, o in ((model, opt), (plain, plain_opt)):
+            m(batch(step)).backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(params(model, opt), params(plain, plain_opt), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_foreach_zero_over_guards_and_local_gradients(stage):
+    def body(model, opt, step):
+        model(batch(step), use_aux=True).backward()
+        with opt.no_sync() if isinstance(opt, ZeroOptimizer) else torch.no_grad():
+            if isinstance(opt, ZeroOptimizer):
+                model(batch(step + 10)).backward()  # aux keeps its guard, the others get local gradients
+        if not isinstance(opt, ZeroOptimizer):
+            model(batch(step + 10)).backward()
+        torch._foreach_zero_([p.grad for p in model.parameters() if p.grad is not None])
+        model(batch(step)).backward()
+
+    same_as_pytorch(stage, Net, body)
+
+
+def test_stage3_backward_with_inputs():
+    def body(model, opt, step):
+        model(batch(step)).backward(inputs=list(model.parameters()))
+
+    same_as_pytorch(3, Net, body)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])  # (stage 3's parameters are placeholders: save a gathered state_dict)
+def test_the_whole_model_pickles(stage, tmp_path):
+    model, opt = wrapped(stage)
+    opt.step()
+    torch.save(model, tmp_path / "model.pt")
+    assert torch.load(tmp_path / "model.pt", weights_only=False) is not None

@@ -48,6 +48,7 @@ from torch import nn
 
 from zero.bucket import Bucket
 from zero.comm import Communicator, Handle
+from zero.stages.backward_pass import BackwardPass
 from zero.stages.stage3 import Stage3
 from zero.outputs import tensors_in
 from zero.units import UnitSpec
@@ -110,8 +111,7 @@ class ParamGatherer:
         self._has_root = any(unit.is_root for unit in self.units)
         self._backward_order: list[Unit] = []
         self._previous_backward: list[Unit] = []
-        self._in_backward_pass = False
-        self._backward_task: int | None = None  # autograd graph task of the current backward pass
+        self._pass = BackwardPass()
         self._fingerprint = 0
         self._hooks = []
         for unit in self.units:
@@ -165,8 +165,7 @@ class ParamGatherer:
         """Release every unit and forget any pass in progress (also after one interrupted by an error)."""
         self._depth = 0
         self._finished = None
-        self._in_backward_pass = False
-        self._backward_task = None
+        self._pass.forget()
         for unit in self.units:
             self.reshard(unit)
             unit.in_backward = False
@@ -275,14 +274,11 @@ class ParamGatherer:
 
     def _pre_backward(self, index: int, grad: torch.Tensor | None) -> None:
         unit = self.units[index]
-        task = torch._C._current_graph_task_id()
-        if task != self._backward_task:  # the first hook of a new backward pass
-            if self._in_backward_pass:  # the previous one was interrupted by an error
+        if not self._pass.running:  # the first hook of a new backward pass (a nested one runs inside it)
+            if self._pass.interrupted:  # the previous one died with an error
                 self._previous_backward, self._backward_order = self._backward_order, []
                 self.reshard_all()
-            self._backward_task = task
-            self._in_backward_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._pass.begin(weak_hook(self._end_backward))
         if unit.in_backward:
             return
         unit.in_backward = True

@@ -6,6 +6,7 @@ Gradient states (:class:`GradState`), checked on every transition::
       └──────────────────────synced pass──────────────────────^                        │
     REDUCED ──another pass before step() (stage.reopen)──> ACCUMULATING or REDUCING <──┘
     any state outside a pass ──zero_grad(), or model.zero_grad() on every parameter──> EMPTY
+    a pass that died with an error ──> INTERRUPTED ──zero_grad() / model.zero_grad()──> EMPTY
 
 Life of one backward pass:
 
@@ -15,8 +16,9 @@ Life of one backward pass:
    gradients about to receive more are reopened (``stage.reopen``); each ``p.grad`` is pointed
    where autograd should accumulate (``stage.before_pass``); and ``_end_pass`` is queued to run
    when autograd finishes the pass.
-2. Each ``post_accumulate_grad`` hook hands its parameter's gradient to the stage
-   (``stage.stage_grad``) and marks it ready.
+2. Each ``post_accumulate_grad`` hook marks its parameter ready; the next gradient's pre-hook
+   (or the end of the pass) hands the gradient to the stage (``stage.stage_grad``), so that hooks
+   the user registered after ours have run on it first.
 3. Buckets are launched strictly in bucket order, each as soon as it and every bucket
    before it are ready. Note: the order is what keeps ranks in step. Collectives are
    matched by the order in which ranks issue them, so a bucket that is complete early
@@ -35,7 +37,9 @@ Life of one backward pass:
    so that what the user does to it before the next pass can be seen.
 
 Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
-and the next synchronized pass reduces their sum.
+and the next synchronized pass reduces their sum. A pass that dies with an error (detected by
+:class:`~zero.stages.backward_pass.BackwardPass`) leaves its gradients incomplete: its
+collectives are drained and everything else is refused until the gradients are cleared.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 
 from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
+from zero.stages.backward_pass import BackwardPass
 from zero.stages.stage0 import Stage0
 from zero.weak import weak_hook
 
@@ -57,6 +62,13 @@ class GradState(enum.Enum):
     ACCUMULATING = "accumulating"  # local gradients from no_sync() passes, not reduced yet
     REDUCING = "reducing"  # inside a synchronized backward pass
     REDUCED = "reduced"  # reduced gradients, ready for clip_grad_norm_() and step()
+    INTERRUPTED = "interrupted"  # a backward pass died with an error: gradients incomplete until cleared
+
+
+_INTERRUPTED = (
+    "the last backward pass failed part-way (an error was raised inside it), so the gradients are "
+    "incomplete. Call opt.zero_grad() (or model.zero_grad()) before the next backward pass or step()."
+)
 
 
 class GradReducer:
@@ -69,6 +81,7 @@ class GradReducer:
         comm: Communicator,
         max_in_flight: int,
         fingerprint: Callable[[], int] | None = None,
+        check: Callable[[], None] | None = None,
     ):
         self.buckets = buckets  # launch order
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
@@ -76,10 +89,12 @@ class GradReducer:
         self.comm = comm
         self.max_in_flight = max_in_flight
         self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
+        self.check = check  # run as each pass starts (the model still uses the managed parameters)
         self.sync_enabled = True  # False inside no_sync()
         self.state = GradState.EMPTY
-        self._pass_task: int | None = None  # autograd graph task of the pass in progress
+        self._pass = BackwardPass()
         self._reopened = False  # this pass reopened reduced gradients (stage.reopen)
+        self._pending: list[ParamSlot] = []  # ready, not yet handed to the stage
         self._next = 0  # index of the next bucket to launch
         self._in_flight: deque[tuple[Bucket, Handle]] = deque()
         self._hooks = []
@@ -91,13 +106,32 @@ class GradReducer:
         assert self.state in allowed, f"gradient state {self.state.value} -> {new.value}"
         self.state = new
 
+    def require_reduced(self, what: str) -> None:
+        """Raise unless reduced gradients are ready for ``what`` (``step()``, ``clip_grad_norm_()``)."""
+        self.settle()
+        messages = {
+            GradState.ACCUMULATING: f"{what} called after a backward pass inside no_sync(): its gradients were "
+            "never reduced across ranks. Run the last micro-batch's backward outside no_sync().",
+            GradState.EMPTY: f"{what} called before backward(): there are no gradients to use yet",
+            GradState.REDUCING: f"{what} called inside a backward pass (from a hook?); call it after backward()",
+            GradState.INTERRUPTED: f"{what}: {_INTERRUPTED}",
+        }
+        if self.state in messages:
+            raise ValueError(messages[self.state])
+
     # ----- what the user did to p.grad ------------------------------------------------------------------
 
     def take_back(self) -> None:
         """Apply what the user did to the published ``p.grad`` since the last pass, as PyTorch would:
         ``None`` clears the gradient (``model.zero_grad()``), ``zero_()`` on a guard zeroes it, a
         replaced tensor is copied in (stage 0) or refused (stages 1-3)."""
+        self.settle()
         if self.state is GradState.REDUCING:
+            return
+        if self.state is GradState.INTERRUPTED:
+            if any(slot.param.grad is not None for slot in self.slots):
+                raise ValueError(_INTERRUPTED)
+            self.clear()
             return
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -111,32 +145,36 @@ class GradReducer:
             if slot.has_grad:
                 self.stage.clear_grad(bucket, slot)
                 slot.used_here = slot.used_anywhere = False
+                slot.local_grad = None
         elif grad is slot.grad_guard:
             if grad._zero_cleared:
                 self.stage.clear_grad(bucket, slot)
+                if slot.local_grad is not None:
+                    slot.local_grad.zero_()
                 grad._zero_cleared = False
-        elif self.state is GradState.REDUCED:
+        elif self.state is GradState.REDUCED:  # stage 0: a gradient the user set (stages 1-3 refuse)
             self.stage.adopt_grad(bucket, slot)
+            slot.used_here = slot.used_anywhere = True
 
     # ----- hooks ----------------------------------------------------------------------------------------
 
     def _before_grad(self, index: int, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._pass_task:
-            self._start_pass(task)
+        if self._pass.running:  # (also a backward nested in it: reentrant checkpointing)
+            self._flush()
+        else:
+            self._start_pass()
 
-    def _start_pass(self, task: int) -> None:
-        if self.state is GradState.REDUCING:  # the previous pass was interrupted by an error
-            self._abandon_round()
-        self._pass_task = task
+    def _start_pass(self) -> None:
         self.take_back()
+        if self.check is not None:
+            self.check()
         self._reopened = self.state is GradState.REDUCED
         for bucket in self.buckets:
             if self._reopened:
                 self.stage.reopen(bucket)
             for slot in bucket.slots:
                 self.stage.before_pass(bucket, slot)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        self._pass.begin(weak_hook(self._end_pass))
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         slot = self.slots[index]
@@ -154,9 +192,14 @@ class GradReducer:
                 "after an earlier backward pass was interrupted by an error (call opt.zero_grad() and retry)."
             )
         slot.ready = True
-        bucket = slot.bucket
-        self.stage.stage_grad(bucket, slot)
-        bucket.num_ready += 1
+        self._pending.append(slot)
+
+    def _flush(self) -> None:
+        """Hand the gradients marked ready to the stage; launch every bucket now complete, in order."""
+        for slot in self._pending:
+            self.stage.stage_grad(slot.bucket, slot)
+            slot.bucket.num_ready += 1
+        self._pending.clear()
         while self._next < len(self.buckets) and self.buckets[self._next].is_ready:
             self._launch(self.buckets[self._next])
 
@@ -168,15 +211,22 @@ class GradReducer:
 
     def _end_pass(self) -> None:
         """Autograd finished the pass: finish its reduction round, if it had one; publish ``p.grad``."""
-        self._pass_task = None
-        if self.state is GradState.REDUCING:
+        self._flush()
+        reduced = self.state is GradState.REDUCING
+        if reduced:
             self._finish_round()
         elif self.state is GradState.REDUCED and self._reopened:  # no gradient came (torch.autograd.grad)
             for bucket in self.buckets:
                 self.stage.close(bucket)
         for bucket in self.buckets:
             for slot in bucket.slots:
-                if slot.used_anywhere and slot.param.grad is None:
+                if reduced:  # the reduced gradients are in the stage's buffers now, whatever p.grad held
+                    slot.param.grad = self.stage.published_grad(bucket, slot) if slot.used_anywhere else None
+                elif slot.used_anywhere and slot.grad_guard is not None:
+                    # a reduced gradient plus this pass's local one: p.grad could show only the local part,
+                    # so it goes behind the guard like the rest (stage.before_pass brings it back)
+                    slot.local_grad, slot.param.grad = slot.param.grad, self.stage.published_grad(bucket, slot)
+                elif slot.used_anywhere and slot.param.grad is None:
                     slot.param.grad = self.stage.published_grad(bucket, slot)
 
     # ----- collectives -----------------------------------------------------------------------------------
@@ -210,8 +260,7 @@ class GradReducer:
         agreed = flags.tolist()
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
-            if used:  # the reduced gradient is in the stage's buffers now, whatever p.grad held
-                slot.param.grad = self.stage.published_grad(slot.bucket, slot)
+        self._to(GradState.REDUCED, GradState.REDUCING)
         if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
             self.clear()  # step() must not use these gradients
             raise RuntimeError(
@@ -220,17 +269,23 @@ class GradReducer:
                 "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
                 "every rank run the same modules in the same order."
             )
-        self._to(GradState.REDUCED, GradState.REDUCING)
 
-    def _abandon_round(self) -> None:
-        """Forget a round whose backward pass died with an error (its collectives may never complete)."""
-        self._in_flight.clear()
-        self.state = GradState.ACCUMULATING if any(slot.used_here for slot in self.slots) else GradState.EMPTY
+    # ----- clearing -----------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """If the last pass died with an error: drain its collectives (every rank issued them, or the
+        wait times out) and mark the gradients incomplete."""
+        if not self._pass.interrupted:
+            return
+        self._pass.forget()
+        self._pending.clear()
+        while self._in_flight:
+            self._complete_oldest()
+        self.state = GradState.INTERRUPTED
 
     def clear(self) -> None:
         """Drop every gradient (``zero_grad(set_to_none=True)``): the stage frees what it can."""
-        if self.state is GradState.REDUCING:
-            self._abandon_round()
+        self.settle()
         for bucket in self.buckets:
             self.stage.zero_grad(bucket, set_to_none=True)
         self.state = GradState.EMPTY
@@ -239,8 +294,13 @@ class GradReducer:
             slot.used_anywhere = False
 
     def zero(self) -> None:
-        """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it."""
-        if self.state is GradState.REDUCING:
-            self._abandon_round()
-        for bucket in self.buckets:
-            self.stage.zero_grad(bucket, set_to_none=False)
+        """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it
+        (after an interrupted pass, every gradient is dropped)."""
+        self.settle()
+        if self.state is GradState.INTERRUPTED:
+            self.clear()
+            return
+        self.take_back()
+        if self.state is not GradState.EMPTY:
+            for bucket in self.buckets:
+                self.stage.zero_grad(bucket, set_to_none=False)

@@ -33,12 +33,10 @@ class Stage0:
         bucket.adopt_whole()
 
     def init_grads(self, bucket: Bucket) -> None:
-        """Allocate the bucket's gradient storage and point each ``p.grad`` into it."""
+        """Allocate the bucket's gradient storage (each ``p.grad`` points into it from the first backward)."""
         layout = bucket.param_buffer
         bucket.grad_buffer = FlatBuffer(layout.numel, layout.dtype, layout.data.device)
         bucket.grad_shard = bucket.chunk_of(bucket.grad_buffer)
-        for slot in bucket.slots:
-            slot.param.grad = bucket.grad_view(slot)
 
     # ----- one backward pass ----------------------------------------------------------------------------
 
@@ -73,7 +71,7 @@ class Stage0:
         return bucket.grad_view(slot)
 
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
-        """``p.grad`` was replaced after the reduction (``p.grad = p.grad * 2``): copy it in."""
+        """``p.grad`` was set after the reduction (``p.grad = p.grad * 2``): copy it in."""
         self.stage_grad(bucket, slot)
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
@@ -98,14 +96,28 @@ class Stage0:
         """Called once the bucket's collective has completed (the averaged result is in place)."""
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
-        """Zero the persistent gradient buckets in place (the ``p.grad`` views stay valid)."""
+        """Zero the persistent gradient bucket in place (it stays allocated, as with DDP); with
+        ``set_to_none`` every ``p.grad`` becomes ``None``, otherwise those that exist are zeros."""
         assert bucket.grad_buffer is not None
         bucket.grad_buffer.data.zero_()
-        for slot in bucket.slots:
-            slot.param.grad = bucket.grad_view(slot)
+        if set_to_none:
+            for slot in bucket.slots:
+                slot.param.grad = slot.local_grad = None
+        else:
+            zero_local_grads(bucket)
 
     # ----- after the optimizer step -----------------------------------------------------------------
 
     def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
         """Bring every rank's updated chunk to every rank (nothing to do: all ranks stepped all of it)."""
         return None
+
+
+def zero_local_grads(bucket: Bucket) -> None:
+    """Zero the gradients autograd holds in ``p.grad`` outside the bucket's buffers (not yet staged),
+    as ``zero_grad(set_to_none=False)`` would."""
+    staged = bucket.grad_buffer.data.untyped_storage().data_ptr() if bucket.grad_buffer is not None else None
+    for slot in bucket.slots:
+        for grad in (slot.param.grad, slot.local_grad):
+            if grad is not None and grad is not slot.grad_guard and grad.untyped_storage().data_ptr() != staged:
+                grad.zero_()

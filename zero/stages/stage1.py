@@ -51,9 +51,10 @@ class Stage1(Stage0):
     # ----- one backward pass ----------------------------------------------------------------------------
 
     def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
-        """A reduced gradient waits in ``grad_carry`` (see :meth:`reopen`); autograd starts afresh."""
+        """A reduced gradient waits in ``grad_carry`` (see :meth:`reopen`); autograd accumulates apart,
+        from the local gradient of earlier ``no_sync()`` passes if there is one."""
         if slot.param.grad is slot.grad_guard:
-            slot.param.grad = None
+            slot.param.grad, slot.local_grad = slot.local_grad, None
         else:
             super().before_pass(bucket, slot)
 
@@ -64,6 +65,7 @@ class Stage1(Stage0):
         bucket.grad_shard.zero_()  # parameters without a reduced gradient accumulate here in place
 
     def close(self, bucket: Bucket) -> None:
+        assert bucket.grad_carry.is_allocated
         bucket.grad_shard.copy_(bucket.grad_carry.data)
         bucket.grad_carry.free()
 
@@ -72,9 +74,13 @@ class Stage1(Stage0):
         return slot.grad_guard
 
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
-        """Only the guard (or, without a gradient, the zeros of the slot's view) may be there."""
-        if slot.param.grad.data_ptr() != bucket.grad_view(slot).data_ptr():
-            raise replaced_grad_error(slot, self.number)
+        """Only the guard may be there: p.grad cannot carry a sharded gradient."""
+        raise ValueError(
+            f"p.grad of {slot.name!r} was replaced after backward. At ZeRO stage {self.number} the reduced gradient "
+            "is sharded across ranks and p.grad cannot carry it; change reduced gradients only with "
+            "opt.clip_grad_norm_(), and clear them with opt.zero_grad() or model.zero_grad(). (Stage 0 keeps "
+            "whole gradients in p.grad.)"
+        )
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         super().clear_grad(bucket, slot)
@@ -97,28 +103,7 @@ class Stage1(Stage0):
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
         bucket.grad_carry.free()
-        if set_to_none:
-            super().zero_grad(bucket, set_to_none)
-        else:  # PyTorch keeps zero gradients: keep the guards (the parameters still count as having one)
-            bucket.grad_buffer.data.zero_()
-            zero_local_grads(bucket)
+        super().zero_grad(bucket, set_to_none)  # without set_to_none the guards stay: zero gradients exist
 
     def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
         return comm.all_gather(bucket.param_buffer.data, bucket.shard, what=f"all-gather of {bucket}")
-
-
-def replaced_grad_error(slot: ParamSlot, stage: int) -> ValueError:
-    return ValueError(
-        f"p.grad of {slot.name!r} was replaced after backward. At ZeRO stage {stage} the reduced gradient is "
-        "sharded across ranks and p.grad cannot carry it; change gradients with opt.clip_grad_norm_() or a "
-        "gradient hook instead, and clear them with opt.zero_grad() or model.zero_grad(). (Stage 0 keeps whole "
-        "gradients in p.grad.)"
-    )
-
-
-def zero_local_grads(bucket: Bucket) -> None:
-    """Zero gradients autograd holds in ``p.grad`` (not yet reduced), as ``zero_grad(set_to_none=False)`` would."""
-    for slot in bucket.slots:
-        grad = slot.param.grad
-        if grad is not None and grad is not slot.grad_guard:
-            grad.zero_()

@@ -22,7 +22,8 @@ from __future__ import annotations
 from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
 from zero.flat_buffer import FlatBuffer
-from zero.stages.stage1 import Stage1, replaced_grad_error, zero_local_grads
+from zero.stages.stage0 import zero_local_grads
+from zero.stages.stage1 import Stage1
 
 
 class Stage2(Stage1):
@@ -41,7 +42,7 @@ class Stage2(Stage1):
     def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Autograd allocates ``p.grad`` afresh; the reduced gradient so far waits in ``grad_shard``."""
         if slot.param.grad is slot.grad_guard:
-            slot.param.grad = None
+            slot.param.grad, slot.local_grad = slot.local_grad, None
 
     def reopen(self, bucket: Bucket) -> None:
         """Nothing to set aside: the next reduction is added to ``grad_shard``."""
@@ -51,9 +52,6 @@ class Stage2(Stage1):
 
     def stage_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Nothing yet: the gradient waits in ``p.grad`` until the bucket is launched."""
-
-    def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
-        raise replaced_grad_error(slot, self.number)
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         if bucket.grad_shard_buffer.is_allocated:
@@ -99,7 +97,7 @@ class Stage2(Stage1):
         if set_to_none:
             bucket.grad_shard_buffer.free()
             for slot in bucket.slots:
-                slot.param.grad = None
+                slot.param.grad = slot.local_grad = None
             return
         if bucket.grad_shard_buffer.is_allocated:
             bucket.grad_shard.zero_()

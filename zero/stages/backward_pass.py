@@ -1,0 +1,59 @@
+"""Which autograd backward pass a hook runs in: a new one, the one running, or one that died.
+
+Note: a hook knows its pass only by the graph task id, and a new id means one of three things:
+a new pass; a backward nested inside the running pass (reentrant activation checkpointing runs
+one inside a node of the outer pass); or the previous pass died with an error and a new one
+began. :meth:`BackwardPass.begin` queues the end-of-pass callback on the pass's graph task and
+keeps only a weak reference to it. The engine holds the callback until it runs, and drops it
+when the task dies with an error, so "the callback is still alive" means "the pass is still
+running" (a new id then means a nested backward), and "begun but not ended, callback gone"
+means it was interrupted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+
+_NESTED_END = (
+    "zero: a backward pass ended inside another one: the first gradient of this backward pass came from "
+    "inside reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True), whose inner "
+    "backward ends before the outer one, so the gradients would be reduced before they are complete. Use "
+    "torch.utils.checkpoint(..., use_reentrant=False)."
+)
+
+
+class BackwardPass:
+    """Tracks one pass at a time for one set of hooks (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._open = False  # begun, and its end has not run
+        self._end: weakref.ref | None = None  # the queued end-of-pass callback, while the engine holds it
+
+    @property
+    def running(self) -> bool:
+        """A pass has begun and its graph task is alive (a hook with another task id runs nested in it)."""
+        return self._open and self._end is not None and self._end() is not None
+
+    @property
+    def interrupted(self) -> bool:
+        """A pass began but its graph task died before its end (an error inside backward)."""
+        return self._open and not self.running
+
+    def begin(self, on_end: Callable[[], None]) -> None:
+        """Start a pass in the current graph task; ``on_end()`` runs when autograd finishes it."""
+
+        def end() -> None:
+            self._open, self._end = False, None
+            if torch._C._current_autograd_node() is not None:  # still inside an outer pass's node
+                raise RuntimeError(_NESTED_END)
+            on_end()
+
+        self._open, self._end = True, weakref.ref(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def forget(self) -> None:
+        """Drop an interrupted pass."""
+        self._open, self._end = False, None
