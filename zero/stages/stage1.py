@@ -53,10 +53,16 @@ class Stage1(Stage0):
     def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
         """A reduced gradient waits in ``grad_carry`` (see :meth:`reopen`); autograd accumulates apart,
         from the local gradient of earlier ``no_sync()`` passes if there is one."""
-        if slot.param.grad is slot.grad_guard:
-            slot.param.grad, slot.local_grad = slot.local_grad, None
-        else:
+        if not self.unguard(slot):
             super().before_pass(bucket, slot)
+
+    @staticmethod
+    def unguard(slot: ParamSlot) -> bool:
+        """Swap the guard in ``p.grad`` for the ``no_sync()`` gradient kept behind it (``None`` if none)."""
+        if slot.param.grad is not slot.grad_guard:
+            return False
+        slot.param.grad, slot.local_grad = slot.local_grad, None
+        return True
 
     def reopen(self, bucket: Bucket) -> None:
         assert bucket.grad_carry is not None and not bucket.grad_carry.is_allocated

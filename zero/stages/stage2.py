@@ -40,9 +40,8 @@ class Stage2(Stage1):
     # ----- one backward pass ----------------------------------------------------------------------------
 
     def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
-        """Autograd allocates ``p.grad`` afresh; the reduced gradient so far waits in ``grad_shard``."""
-        if slot.param.grad is slot.grad_guard:
-            slot.param.grad, slot.local_grad = slot.local_grad, None
+        """Autograd accumulates apart; the reduced gradient so far waits in ``grad_shard``."""
+        self.unguard(slot)
 
     def reopen(self, bucket: Bucket) -> None:
         """Nothing to set aside: the next reduction is added to ``grad_shard``."""
