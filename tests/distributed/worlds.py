@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 from contextlib import nullcontext
 
 import torch
@@ -215,9 +216,14 @@ def memory_after_step(rank: int, world_size: int, stage: int) -> dict:
     model(local_slice(x, rank, world_size), local_slice(y, rank, world_size), True).backward()
     opt.step()
     del x, y
-    measured = live_tensor_bytes() - baseline
     buffers = storage_bytes(model.buffers())
     state = opt.model_state_bytes()
+    held = state.total + buffers
+    for _ in range(5):  # gloo's worker thread may hold a finished collective's tensor for a moment
+        measured = live_tensor_bytes() - baseline
+        if measured == held:
+            break
+        time.sleep(0.05)
     return {
         "measured": measured,
         "buffers": buffers,

@@ -357,3 +357,26 @@ def test_the_whole_model_pickles(stage, tmp_path):
     opt.step()
     torch.save(model, tmp_path / "model.pt")
     assert torch.load(tmp_path / "model.pt", weights_only=False) is not None
+
+
+@pytest.mark.parametrize("variant", ["one_pass", "retained", "separate", "penalty_first"])
+def test_stage3_root_parameters_used_after_forward(variant):
+    """An L2 penalty on a root-unit parameter built after forward, backpropagated in one pass or in two
+    (through a retained graph): the root unit stays gathered until step(), so no pass reads a placeholder."""
+
+    def body(model, opt, step):
+        out = model(batch(step))
+        penalty = model.head.weight.square().sum() * 0.1
+        if variant == "one_pass":
+            (out + penalty).backward()
+        elif variant == "retained":
+            out.backward(retain_graph=True)
+            (penalty + out * 0.5).backward()
+        elif variant == "separate":
+            out.backward()
+            penalty.backward()
+        else:
+            penalty.backward()
+            out.backward()
+
+    same_as_pytorch(3, Net, body)

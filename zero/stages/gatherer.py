@@ -161,13 +161,14 @@ class ParamGatherer:
             self.stage.reshard(bucket)
         unit.state = UnitState.SHARDED
 
-    def reshard_all(self) -> None:
-        """Release every unit and forget any pass in progress (also after one interrupted by an error)."""
+    def reshard_all(self, keep: list[Unit] = ()) -> None:
+        """Release every unit (but ``keep``) and forget any pass in progress (also one interrupted by an error)."""
         self._depth = 0
         self._finished = None
         self._pass.forget()
         for unit in self.units:
-            self.reshard(unit)
+            if unit not in keep:
+                self.reshard(unit)
             unit.in_backward = False
             unit.num_grads = 0
 
@@ -297,11 +298,16 @@ class ParamGatherer:
             )
         unit.num_grads += 1
         if unit.num_grads == unit.num_params and unit.in_backward:
-            self.reshard(unit)
+            if not unit.is_root:  # (the root stays gathered until step(): see _end_backward)
+                self.reshard(unit)
             unit.in_backward = False
 
     def _end_backward(self) -> None:
-        self.reshard_all()
+        """Release every unit but the root, which stays gathered until ``step()``: a second backward
+        pass through a retained graph, or a loss term built from root parameters after forward (an L2
+        penalty on the embeddings), reads them again, and the next forward (accumulation) needs it first."""
+        root = [unit for unit in self.units if unit.is_root and unit.state is not UnitState.SHARDED]
+        self.reshard_all(keep=root)
         self._previous_backward, self._backward_order = self._backward_order, []
 
 
