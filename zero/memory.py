@@ -70,8 +70,10 @@ def live_tensors(device: str | torch.device = "cpu") -> Iterator[torch.Tensor]:
         for obj in gc.get_objects():
             try:
                 if isinstance(obj, torch.Tensor) and obj.device.type == device.type and not obj.is_meta:
+                    with torch._C.DisableTorchFunctionSubclass():  # (guarded parameters and gradients too)
+                        obj.untyped_storage().data_ptr()  # fake tensors left by torch.compile have no memory
                     yield obj
-            except ReferenceError:  # weak proxies
+            except (ReferenceError, RuntimeError):  # weak proxies; tensors without real storage
                 continue
 
 
