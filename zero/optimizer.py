@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -18,6 +17,7 @@ from zero.config import ZeroConfig
 from zero.inner import check_optimizer, rebuild_optimizer
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
+from zero.ownership import check_model, claim_parameters
 from zero.partition import build_partition
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
@@ -102,7 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan=self._unit_plan(),
             device=self._init_device,
         )
-        self._claim_parameters()
+        claim_parameters(self, self.buckets)
         for bucket in self.buckets:
             self.zero_stage.init_params(bucket)
             if bucket.trainable:
@@ -351,36 +351,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return torch.zeros((), device=self.comm.device)
 
     def _check_model(self) -> None:
-        """As each backward pass starts and before a step: the model must still use the parameters this
-        optimizer manages, with their dtype, device and (stages 0-2) storage."""
-        whole = self._gatherer is None
-        for bucket in self.buckets:
-            bucket.check_attached(whole=whole)
-        current = dict(self.module.named_parameters())
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                if current.get(slot.name) is not slot.param:
-                    raise ValueError(
-                        f"the model's parameter {slot.name!r} is no longer the one ZeroOptimizer manages: it was "
-                        "replaced after wrapping (load_state_dict(assign=True), an assignment, or a conversion "
-                        "that swaps parameters). Load weights with load_state_dict() (it copies), or build the "
-                        "ZeroOptimizer after replacing them."
-                    )
-
-    def _claim_parameters(self) -> None:
-        """Mark every parameter this optimizer manages; refuse one that another live ZeroOptimizer manages
-        (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
-        slots = [slot for bucket in self.buckets for slot in bucket.slots]
-        for slot in slots:
-            owner = getattr(slot.param, "_zero_owner", None)
-            if owner is not None and owner.alive:
-                raise ValueError(
-                    f"parameter {slot.name!r} is already managed by another ZeroOptimizer; a parameter can belong "
-                    "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (or drop the "
-                    "first optimizer before building a new one)."
-                )
-        for slot in slots:
-            slot.param._zero_owner = OwnerRef(self)
+        """As each backward pass starts and before a step: see :func:`zero.ownership.check_model`."""
+        check_model(self.module, self.buckets, whole=self._gatherer is None)
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
@@ -438,20 +410,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             partition=self.partition,
             optimizer=self._inner,
         )
-
-
-class OwnerRef:
-    """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
-
-    def __init__(self, owner: object | None = None):
-        self._ref = weakref.ref(owner) if owner is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self._ref is not None and self._ref() is not None
-
-    def __reduce__(self):
-        return (OwnerRef, ())
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
