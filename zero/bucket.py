@@ -1,21 +1,29 @@
 """``Bucket``: one layout bound to its parameters, flat buffers and local optimizer pieces.
 
-A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shards``):
+A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shards``; the
+buffers' dtypes and aliases are the roles of ``zero.precision``'s Note):
 
-* ``params``      the model parameters packed in it; their ``.data`` are views of ``param_buffer``
-* ``param_buffer`` FlatBuffer(P): the full parameters (stages 0-2 keep them whole; stage 3 only
-                   while its unit is gathered)
-* ``shard_buffer`` FlatBuffer(C), stage 3 only: this rank's persistent chunk of the parameters
-* ``grad_buffer`` FlatBuffer(P): full-size gradients; persistent or transient, as the stage decides
-* ``grad_shard``  (C,) this rank's reduced, averaged gradient chunk
-* ``grad_carry``  FlatBuffer(C), stage 1 only: reduced gradients set aside while another backward
-                   pass adds to them before ``step()`` (allocated only then)
-* ``shard``       (C,) this rank's chunk of the parameters, which the inner optimizer updates
-* ``pieces``      1D views of ``shard``, one per parameter overlapping the chunk; these are
-                   the tensors the wrapped ``torch.optim`` optimizer sees
+* ``params``        the model parameters packed in it; their ``.data`` are views of ``param_buffer``
+* ``param_buffer``  FlatBuffer(P, compute): the full parameters (stages 0-2 keep them whole; stage 3
+                     only while its unit is gathered)
+* ``shard_buffer``  FlatBuffer(C, compute), stage 3 only: this rank's persistent chunk of the
+                     parameters, the all-gather's source
+* ``master_buffer`` FlatBuffer(C, master), mixed precision only: the fp32 master chunk the optimizer
+                     steps (without it, the optimizer steps ``shard`` itself)
+* ``grad_buffer``   FlatBuffer(P, compute), stages 0-1: persistent local gradients (``p.grad`` views)
+* ``staging``       FlatBuffer(P, reduce): what the gradient collective reduces; ``grad_buffer`` itself
+                     when the dtypes agree at stages 0-1, else transient
+* ``grad_shard``    (C, reduce) this rank's reduced, averaged gradient chunk (``grad_shard_buffer``
+                     when it is not a view of ``staging``)
+* ``grad_carry``    FlatBuffer(C), stage 1 only: reduced gradients set aside while another backward
+                     pass adds to them before ``step()`` (allocated only then)
+* ``master_grad``   FlatBuffer(C, master), when the gradient shard's dtype is not the master's: the
+                     optimizer's gradients, made at the step (or clip) and released after it
+* ``pieces``        1D views of ``master``, one per parameter overlapping the chunk; these are
+                     the tensors the wrapped ``torch.optim`` optimizer sees
 
 A *frozen* bucket (stage 3: parameters with ``requires_grad=False``, sharded and gathered
-with their unit like the others) has no gradient buffers and no pieces.
+with their unit like the others) has no gradient buffers, no master and no pieces.
 
 Per backward pass it also tracks which parameters have handed in their gradient.
 """
@@ -31,6 +39,7 @@ import torch
 from zero.flat_buffer import FlatBuffer
 from zero.layout import BucketLayout, ParamSpan, Piece
 from zero.memory import MemoryItem
+from zero.precision import BufferDtypes
 from zero.sharded_param import cast_after_wrapping
 
 
@@ -75,20 +84,26 @@ class Bucket:
     """Runtime state of one :class:`~zero.layout.BucketLayout` on one rank."""
 
     def __init__(
-        self, layout: BucketLayout, shard_index: int, dtype: torch.dtype, device: torch.device, trainable: bool = True
+        self, layout: BucketLayout, shard_index: int, dtypes: BufferDtypes, device: torch.device, trainable: bool = True
     ):
         self.layout = layout
+        self.dtypes = dtypes
         self.index = layout.index
         self.shard_index = shard_index
         self.trainable = trainable
         self.slots: list[ParamSlot] = []
         self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
-        self.param_buffer = FlatBuffer(layout.padded_numel, dtype, device, allocate=False)  # the stage fills it
+        self.param_buffer = FlatBuffer(layout.padded_numel, dtypes.compute, device, allocate=False)  # the stage fills it
         self.shard_buffer: FlatBuffer | None = None  # stage 3
+        self.master_buffer: FlatBuffer | None = None
+        if trainable and dtypes.separate_master:
+            self.master_buffer = FlatBuffer(layout.chunk_numel, dtypes.master, device)  # padding: zeros
         self.grad_buffer: FlatBuffer | None = None  # set by the stage
+        self.staging: FlatBuffer | None = None  # set by the stage
         self.grad_shard: torch.Tensor | None = None  # set by the stage
         self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
         self.grad_carry: FlatBuffer | None = None  # stage 1
+        self.master_grad: FlatBuffer | None = None  # set by the stage when grad_shard cannot be it
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
 
@@ -114,34 +129,75 @@ class Bucket:
             self.param_buffer.free()
 
     def adopt_whole(self) -> None:
-        """Copy every parameter into ``param_buffer`` and make its ``.data`` a view of it (stages 0-2)."""
+        """Copy every parameter into ``param_buffer`` (cast to the compute dtype) and make its ``.data`` a
+        view of it (stages 0-2); the master chunk, if any, gets the values before the cast."""
         self.param_buffer.allocate()
         self.make_views()
         with torch.no_grad():
             for slot in self.slots:
+                if self.master_buffer is not None:
+                    self.copy_to_shard(slot, slot.param.data)
                 slot.view.copy_(slot.param.data)
                 slot.param.data = slot.view
 
     def build_pieces(self) -> None:
-        """Create the inner optimizer's tensors: views of this rank's chunk (none in a frozen bucket)."""
+        """Create the inner optimizer's tensors: views of the master chunk (none in a frozen bucket)."""
         if not self.trainable:
             return
         slot_of = {slot.span.param_index: slot for slot in self.slots}
-        shard = self.shard
+        master = self.master
         self.pieces = [
-            LocalPiece(slot_of[p.param_index], p, shard.narrow(0, p.chunk_start, p.numel))
+            LocalPiece(slot_of[p.param_index], p, master.narrow(0, p.chunk_start, p.numel))
             for p in self.layout.pieces(self.shard_index)
         ]
 
     def copy_to_shard(self, slot: ParamSlot, whole: torch.Tensor) -> None:
-        """Copy the pieces of ``whole`` (the slot's full value) that fall in this rank's chunk into ``shard``."""
+        """Copy the pieces of ``whole`` (the slot's full value) that fall in this rank's chunk into
+        ``master`` (and, when it is separate, cast into ``shard``)."""
         flat = whole.detach().reshape(-1)  # 1D
+        targets = [self.master] if self.master_buffer is None else [self.master, self.shard]
         with torch.no_grad():
             for piece in self.layout.pieces(self.shard_index):
                 if piece.param_index == slot.span.param_index:
-                    self.shard.narrow(0, piece.chunk_start, piece.numel).copy_(
-                        flat.narrow(0, piece.param_start, piece.numel)
-                    )
+                    for target in targets:
+                        target.narrow(0, piece.chunk_start, piece.numel).copy_(
+                            flat.narrow(0, piece.param_start, piece.numel)
+                        )
+
+    # ----- master weights --------------------------------------------------------------------------
+
+    def push_master(self) -> None:
+        """Cast the master chunk into this rank's chunk of the parameters (after a step or a load)."""
+        if self.master_buffer is not None:
+            with torch.no_grad():
+                self.shard.copy_(self.master_buffer.data)
+
+    def adopt_edits(self) -> None:
+        """Take into the master chunk the elements of this rank's parameter chunk that differ from it cast
+        down: values written since the last step (``model.load_state_dict()``, an edit inside
+        ``gathered_parameters()``). The other elements keep their full precision."""
+        if self.master_buffer is None:
+            return
+        with torch.no_grad():
+            master, shard = self.master_buffer.data, self.shard
+            edited = shard.ne(master.to(shard.dtype))
+            master.copy_(torch.where(edited, shard.to(master.dtype), master))
+
+    def make_master_grads(self, inv_scale: float) -> None:
+        """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
+        (``inv_scale`` 1.0: none). In place when ``grad_shard`` is in the master dtype already."""
+        if self.master_grad is not None:
+            self.master_grad.allocate(zero=False)
+            self.master_grad.data.copy_(self.grad_shard)
+            target = self.master_grad.data
+        else:
+            target = self.grad_shard
+        if inv_scale != 1.0:
+            target.mul_(inv_scale)
+
+    def release_master_grads(self) -> None:
+        if self.master_grad is not None:
+            self.master_grad.free()
 
     # ----- views ----------------------------------------------------------------------------------
 
@@ -152,21 +208,33 @@ class Bucket:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's chunk of the parameters (1D), which the optimizer updates: at stages 0-2 a view
-        of ``param_buffer`` (the step writes the parameters directly), at stage 3 ``shard_buffer``."""
+        """This rank's chunk of the parameters (1D, compute dtype): at stages 0-2 a view of
+        ``param_buffer``, at stage 3 ``shard_buffer``."""
         if self.shard_buffer is not None:
             return self.shard_buffer.data
         return self.chunk_of(self.param_buffer)
 
+    @property
+    def master(self) -> torch.Tensor:
+        """The chunk the optimizer steps (1D): ``master_buffer``, or ``shard`` itself (the step then
+        writes the parameters directly)."""
+        return self.master_buffer.data if self.master_buffer is not None else self.shard
+
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        """The slot's gradient inside ``grad_buffer``, shaped like the parameter."""
+        """The slot's local gradient inside ``grad_buffer``, shaped like the parameter (stages 0-1)."""
         assert self.grad_buffer is not None
         return self.grad_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
 
+    def staging_view(self, slot: ParamSlot) -> torch.Tensor:
+        """The slot's span of ``staging``, shaped like the parameter."""
+        assert self.staging is not None
+        return self.staging.view(slot.span.offset, slot.span.numel, slot.param.shape)
+
     def grad_piece(self, piece: LocalPiece) -> torch.Tensor:
-        """The reduced gradient for one local piece (1D view of ``grad_shard``)."""
-        assert self.grad_shard is not None
-        return self.grad_shard.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+        """The optimizer's gradient for one local piece (1D view of ``master_grad`` or ``grad_shard``)."""
+        source = self.master_grad.data if self.master_grad is not None else self.grad_shard
+        assert source is not None
+        return source.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
     def zero_pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> None:
         """Zero the slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``)."""
@@ -185,33 +253,41 @@ class Bucket:
 
     # ----- memory ----------------------------------------------------------------------------------
 
-    def named_memory(self, gathering: bool) -> Iterator[MemoryItem]:
-        """Every tensor this bucket owns, named for the memory profiler (``gathering``: stage 3's
-        all-gather into ``param_buffer`` is in flight, e.g. a prefetch)."""
+    def roles(self, gathering: bool = False) -> Iterator[tuple[str, MemoryItem]]:
+        """Each buffer this bucket owns as ``(model-state kind, item named for the profiler)``; kinds are
+        ``parameters``, ``gradients`` and ``optimizer_state`` (where the ZeRO paper counts fp32 master
+        weights). An alias appears under each role; counting by storage takes it once.
+        ``gathering``: stage 3's all-gather into ``param_buffer`` is in flight (e.g. a prefetch)."""
         module = self.unit.name if self.unit is not None else ""
         if gathering:
-            yield MemoryItem("communication", "all-gather", self.param_buffer.data, module)
+            params = ("communication", "all-gather")
         else:
-            yield MemoryItem("parameters", "whole" if self.shard_buffer is None else "gathered", self.param_buffer.data, module)
-        if self.shard_buffer is not None:
-            yield MemoryItem("parameters", "shard", self.shard_buffer.data, module)
-        if self.grad_buffer is not None:
-            if self.grad_shard_buffer is None:  # stages 0-1: whole gradients live in it
-                yield MemoryItem("gradients", "buckets", self.grad_buffer.data, module)
-            else:  # stages 2-3: a staging buffer that exists only for the reduce-scatter
-                yield MemoryItem("communication", "reduce-scatter", self.grad_buffer.data, module)
-        if self.grad_shard_buffer is not None:
-            yield MemoryItem("gradients", "shard", self.grad_shard_buffer.data, module)
-        if self.grad_carry is not None:
-            yield MemoryItem("gradients", "carried", self.grad_carry.data, module)
+            params = ("parameters", "whole" if self.shard_buffer is None else "gathered")
+        staging = self.staging if self.staging is not self.grad_buffer else None  # else: the local gradients
+        roles = [
+            ("parameters", *params, self.param_buffer),
+            ("parameters", "parameters", "shard", self.shard_buffer),
+            ("optimizer_state", "optimizer_state", "master weights", self.master_buffer),
+            ("gradients", "gradients", "buckets", self.grad_buffer),
+            ("gradients", "communication", "reduce-scatter", staging),  # exists only for the collective
+            ("gradients", "gradients", "shard", self.grad_shard_buffer),
+            ("gradients", "gradients", "carried", self.grad_carry),
+            ("gradients", "gradients", "master", self.master_grad),
+        ]
+        for kind, category, label, buffer in roles:
+            if buffer is not None:
+                yield kind, MemoryItem(category, label, buffer.data, module)
+        if self.grad_shard is not None and self.grad_shard_buffer is None:  # a view of staging
+            yield "gradients", MemoryItem("gradients", "shard", self.grad_shard, module)
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None:  # stages 2-3: autograd's gradient, not yet staged; or a guard
-                yield MemoryItem("gradients", "placeholder" if grad is slot.grad_guard else "whole", grad, module)
+                label = "placeholder" if grad is slot.grad_guard else "whole"
+                yield "gradients", MemoryItem("gradients", label, grad, module)
             if slot.local_grad is not None:
-                yield MemoryItem("gradients", "whole", slot.local_grad, module)
+                yield "gradients", MemoryItem("gradients", "whole", slot.local_grad, module)
             if slot.placeholder is not None:
-                yield MemoryItem("parameters", "placeholder", slot.placeholder, module)
+                yield "parameters", MemoryItem("parameters", "placeholder", slot.placeholder, module)
 
     # ----- per-backward bookkeeping -----------------------------------------------------------------
 

@@ -19,19 +19,28 @@ from zero.bucket import LocalPiece
 from zero.partition import Partition
 
 FORMAT = "zero.shard/2"
+FULL_PRECISION = {"param_dtype": None, "reduce_dtype": None}
 PieceRecord = tuple[str, int, int]  # (parameter name, start within the flattened parameter, numel)
 
 
 def header(
-    *, stage: int, world_size: int, rank: int, partition: Partition, optimizer: torch.optim.Optimizer
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    partition: Partition,
+    optimizer: torch.optim.Optimizer,
+    precision: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a shard must match to be loaded: format, stage, world size, rank, layout and the wrapped
-    optimizer (``optimizer``: the inner optimizer rebuilt over this rank's pieces, ``ZeroOptimizer.inner``)."""
+    """What a shard must match to be loaded: format, stage, world size, rank, precision (``param_dtype``,
+    ``reduce_dtype``; ``None`` fields: full precision), layout and the wrapped optimizer (``optimizer``:
+    the inner optimizer rebuilt over this rank's pieces, ``ZeroOptimizer.inner``)."""
     return {
         "format": FORMAT,
         "stage": stage,
         "world_size": world_size,
         "rank": rank,
+        "precision": precision or FULL_PRECISION,
         "layout": {
             "params": [(s.name, tuple(s.param.shape), str(s.param.dtype)) for s in partition.slots],
             "buckets": [(b.layout.padded_numel, len(b.slots)) for b in partition.buckets],
@@ -66,6 +75,7 @@ def check_loadable(saved: Any, here: dict[str, Any]) -> None:
     """Raise a ValueError naming the mismatch if shard ``saved`` cannot be loaded where ``here`` describes."""
     _check_format(saved)
     _compare_run(saved, here)
+    _compare_precision(saved, here)
     _compare_layouts(saved["layout"], here["layout"])
     _compare_inner(saved["inner"], here["inner"])
     _check_state(saved["optimizer"], here["inner"]["pieces"])
@@ -108,6 +118,22 @@ def _compare_run(saved: dict[str, Any], here: dict[str, Any]) -> None:
                 f"this shard was saved with {key}={saved[key]} but is being loaded with {key}={here[key]}; "
                 "each rank must load its own shard, saved with the same ZeRO stage"
             )
+
+
+def _compare_precision(saved: dict[str, Any], here: dict[str, Any]) -> None:
+    """The same mixed-precision policy, and the master weights and loss scale it implies (a shard saved
+    before precision was recorded is full precision)."""
+    was = saved.get("precision", FULL_PRECISION)
+    if was != here["precision"]:
+        raise ValueError(
+            f"this shard was saved with precision {was} but this run uses {here['precision']}; resume with the "
+            "same ZeroConfig.precision"
+        )
+    param_dtype = here["precision"]["param_dtype"]
+    needed = {"master": param_dtype is not None, "loss_scale": param_dtype == "fp16"}
+    missing = [key for key, needs in needed.items() if needs and key not in saved]
+    if missing:
+        raise ValueError(f"this {FORMAT} shard lacks {missing}; it is damaged: save it again with state_dict()")
 
 
 def _compare_layouts(saved: dict[str, Any], here: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
+from zero.precision import MixedPrecision
+
 SUPPORTED_STAGES = (0, 1, 2, 3)
 MAX_MB = 2.0**20  # 1 TiB: above any real bucket or unit
 MAX_COUNT = 2**16  # more buckets or units than any model has: use it for "no limit"
@@ -75,6 +77,13 @@ class ZeroConfig(BaseModel):
         strict=True,
         description="Issue every collective even in a world of one process (a process group of size 1), instead "
         "of skipping communication: for testing the communication paths on a single GPU. Slower; off for training.",
+    )
+
+    precision: MixedPrecision = Field(
+        default_factory=MixedPrecision,
+        description="Mixed precision (zero.MixedPrecision, or a mapping of its fields): param_dtype ('bf16', "
+        "'fp16') for forward/backward over fp32 master shards, reduce_dtype, cast_forward_inputs, loss_scale. "
+        "Default: full precision.",
     )
 
     unit_classes: Optional[tuple[StrictStr, ...]] = Field(

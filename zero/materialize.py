@@ -146,7 +146,7 @@ def _apply_init(model, targets, first_owner, states, init_fn, slots, store, devi
 def _recompute(owner, targets, first_owner, states, slots, device) -> dict[nn.Parameter, torch.Tensor]:
     """The values ``owner.reset_parameters()`` gave its parameters in step 1 (NaN if it has none)."""
     if owner not in states:
-        return {p: _blank(p, device) for p in _owned(owner, first_owner)}
+        return {p: _blank(p, device, slots) for p in _owned(owner, first_owner)}
     running = _rng_state(device)
     _set_rng_state(device, states[owner])
     values = _reset(owner, targets, first_owner, slots, device)
@@ -157,7 +157,7 @@ def _recompute(owner, targets, first_owner, states, slots, device) -> dict[nn.Pa
 def _reset(module, targets, first_owner, slots, device) -> dict[nn.Parameter, torch.Tensor]:
     """Run ``module.reset_parameters()`` on fresh whole tensors; parameters owned by an earlier
     module get a scratch tensor (drawn, then dropped, as the tie in ``__init__`` drops them)."""
-    values = {p: _blank(p, device) for p in _direct(module, targets)}
+    values = {p: _blank(p, device, slots) for p in _direct(module, targets)}
     for p, value in values.items():
         _point(p, value)
     module.reset_parameters()
@@ -195,8 +195,11 @@ def _store(p: nn.Parameter, value: torch.Tensor, slots: dict[nn.Parameter, Param
     _release(p, slots)
 
 
-def _blank(p: nn.Parameter, device: torch.device) -> torch.Tensor:
-    return torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+def _blank(p: nn.Parameter, device: torch.device, slots: dict[nn.Parameter, ParamSlot]) -> torch.Tensor:
+    """A NaN tensor for ``p``'s initial value, in the dtype the model was built in (under mixed precision
+    the master's: initialized in full precision, then cast, as a normal build followed by wrapping is)."""
+    dtype = slots[p].bucket.dtypes.master if p in slots else p.dtype
+    return torch.full(p.shape, float("nan"), dtype=dtype, device=device)
 
 
 def _direct(module: nn.Module, targets: set) -> list[nn.Parameter]:

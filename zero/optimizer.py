@@ -18,7 +18,9 @@ from zero.inner import check_optimizer, rebuild_optimizer
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.ownership import check_model, claim_parameters
+from zero.loss_scaler import LossScaler
 from zero.partition import build_partition
+from zero.precision import DTYPES, cast_inputs, check_device_supports, full_precision_parameters
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
@@ -87,12 +89,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device=_model_device(model, device),
             force_collectives=self.config.force_collectives,
         )
-        self.zero_stage = make_stage(self.config.stage)
+        precision = self.config.precision
+        check_device_supports(precision, self.comm.device)
+        self.zero_stage = make_stage(self.config.stage, precision)
         self._init_device = self.comm.device  # where parameters built on ``meta`` are materialized
         meta = self._replace_meta_parameters(optimizer, init_fn)
         if self.config.sync_module_states:
             self._broadcast_module_states(skip=meta)
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
+        self._full_precision = full_precision_parameters(model) if precision.enabled else set()
         self.partition = build_partition(
             optimizer,
             model,
@@ -101,6 +106,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard_index=self.comm.rank if num_shards > 1 else 0,
             plan=self._unit_plan(),
             device=self._init_device,
+            dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in self._full_precision),
         )
         claim_parameters(self, self.buckets)
         for bucket in self.buckets:
@@ -111,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if meta:
             slots = {slot.param: slot for bucket in self.buckets for slot in bucket.slots}
             materialize(model, meta, slots, init_fn, self._init_device)
+        self._cast_unmanaged_parameters()
         self._inner = rebuild_optimizer(optimizer, self.buckets)
         self._pieces_in_model_order = sorted(
             (p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start)
@@ -127,6 +134,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 reshard_after_forward=self.config.reshard_after_forward,
                 prefetch=self.config.prefetch_units,
             )
+        self._grads_prepared = False  # the optimizer's gradients of this step are made (see _master_grads)
+        scaling = precision.scaling
+        self.loss_scaler = LossScaler(scaling, self.comm.device) if scaling is not None else None
         fingerprint = self._gatherer.take_fingerprint if self._gatherer is not None else None
         self._reducer = GradReducer(
             self.partition.trainable_buckets,
@@ -134,8 +144,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.comm,
             self.config.max_in_flight_buckets,
             fingerprint,
-            check=weak_hook(self._check_model),
+            check=weak_hook(self._before_backward),
+            scaler=self.loss_scaler,
         )
+        if precision.enabled and precision.cast_forward_inputs:
+            model.register_forward_pre_hook(weak_hook(self._cast_forward_inputs), with_kwargs=True)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -188,7 +201,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer.take_back()
         self._check_model()
         self._reducer.require_reduced("clip_grad_norm_()")
-        grads = self._local_grads()
+        grads = self._master_grads()
         norm_type = float(norm_type)
         # Per-tensor norms, then the norm of the norms, in fp32 and model order: the same
         # arithmetic as torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
@@ -228,14 +241,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 )
         if self._gatherer is not None:  # a copy still gathered now would be stale after the step
             self._gatherer.reshard_all()
-        for bucket in self.partition.trainable_buckets:
-            for piece in bucket.pieces:
-                piece.tensor.grad = bucket.grad_piece(piece) if piece.slot.used_anywhere else None
-        self._inner.step()
-        handles = [self.zero_stage.gather_params(bucket, self.comm) for bucket in self.partition.trainable_buckets]
+        buckets = self.partition.trainable_buckets
+        for bucket in buckets:
+            bucket.adopt_edits()
+        self._master_grads()
+        skip = self.loss_scaler is not None and self.loss_scaler.found_inf
+        if not skip:
+            for bucket in buckets:
+                for piece in bucket.pieces:
+                    piece.tensor.grad = bucket.grad_piece(piece) if piece.slot.used_anywhere else None
+            self._inner.step()
+        self._release_master_grads()
+        for bucket in buckets:
+            bucket.push_master()
+        handles = [] if skip else [self.zero_stage.gather_params(bucket, self.comm) for bucket in buckets]
         for handle in handles:
             if handle is not None:
                 handle.wait()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update()
         self.comm.end_step()
         return loss
 
@@ -289,9 +313,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reducer.clear()
         else:
             self._reducer.zero()
-        for bucket in self.buckets:
-            for piece in bucket.pieces:
-                piece.tensor.grad = None
+        self._release_master_grads()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_reducer"):
@@ -304,41 +326,78 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ----- checkpoints -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (call on every rank; save one file per rank)."""
-        return {**self._checkpoint_header(), "optimizer": self._inner.state_dict()}
+        """This rank's shard of the optimizer state (call on every rank; save one file per rank). Under
+        mixed precision it holds this rank's fp32 master weights, and with fp16 the loss scale."""
+        state = {**self._checkpoint_header(), "optimizer": self._inner.state_dict()}
+        masters = [b for b in self.partition.trainable_buckets if b.master_buffer is not None]
+        if masters:
+            for bucket in masters:
+                bucket.adopt_edits()
+            state["master"] = [bucket.master_buffer.data.clone() for bucket in masters]
+        if self.loss_scaler is not None:
+            state["loss_scale"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage and model."""
+        """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage, precision and model
+        (call on every rank: the parameters are then cast from the loaded master weights and shared)."""
         checkpoint.check_loadable(state_dict, self._checkpoint_header())
         self._inner.load_state_dict(state_dict["optimizer"])
         self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
         self.state = self._inner.state
+        masters = [b for b in self.partition.trainable_buckets if b.master_buffer is not None]
+        if masters:
+            with torch.no_grad():
+                for bucket, saved in zip(masters, state_dict["master"]):
+                    bucket.master_buffer.data.copy_(saved)
+                    bucket.push_master()
+            for handle in [self.zero_stage.gather_params(b, self.comm) for b in masters]:
+                if handle is not None:
+                    handle.wait()
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scale"])
+
+    # ----- mixed precision --------------------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the fp16 loss scale (unchanged without loss scaling); backward on the result.
+        The gradients are divided by the scale again before :meth:`clip_grad_norm_` and :meth:`step` see them."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``self.scale_loss(loss).backward(**kwargs)``: the backward call that works with every precision."""
+        self.scale_loss(loss).backward(**kwargs)
 
     # ----- memory -------------------------------------------------------------------------------------
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes this rank holds in parameters, gradients and optimizer state (unique storages)."""
-        params = [b.param_buffer.data for b in self.buckets] + [p for _, p in self.partition.frozen]
-        params += [b.shard_buffer.data for b in self.buckets if b.shard_buffer is not None]
-        params += [s.placeholder for b in self.buckets for s in b.slots if s.placeholder is not None]  # 1 element
-        grads = [b.grad_buffer.data for b in self.buckets if b.grad_buffer is not None]
-        grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
-        grads += [b.grad_carry.data for b in self.buckets if b.grad_carry is not None]
-        grads += [s.param.grad for s in self.partition.slots if s.param.grad is not None]  # guards: 1 element
-        grads += [s.local_grad for s in self.partition.slots if s.local_grad is not None]
-        states = [v for s in self._inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return ModelStateBytes(storage_bytes(params), storage_bytes(grads), storage_bytes(states))
+        """Bytes this rank holds in parameters, gradients and optimizer state (unique storages; fp32 master
+        weights count as optimizer state, as in the ZeRO paper)."""
+        kinds: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [], "optimizer_state": []}
+        for bucket in self.buckets:
+            for kind, item in bucket.roles():
+                kinds[kind].append(item.tensor)
+        for kind, item in self._unbucketed_memory():
+            kinds[kind].append(item.tensor)
+        return ModelStateBytes(*(storage_bytes(kinds[k]) for k in ("parameters", "gradients", "optimizer_state")))
 
     def named_memory(self) -> list[MemoryItem]:
-        """Every tensor this optimizer owns, named for the memory profiler (``zero.profile``): flat
-        parameter and gradient buffers, shards, buffers of collectives in flight, the wrapped
-        optimizer's state. Views of one storage may appear more than once; the first name wins."""
+        """Every tensor this optimizer owns, named for the memory profiler (``zero.profile``): each bucket
+        buffer by its role (parameters, master weights, gradient buffers and shards, buffers of collectives
+        in flight), frozen parameters, the wrapped optimizer's state. Views of one storage may appear more
+        than once; the first name wins."""
         gathering = self._gatherer.gathering_buckets() if self._gatherer is not None else set()
-        items = [item for b in self.buckets for item in b.named_memory(gathering=b in gathering)]
-        items += [MemoryItem("parameters", "frozen", p, name.rpartition(".")[0]) for name, p in self.partition.frozen]
+        items = [item for b in self.buckets for _, item in b.roles(gathering=b in gathering)]
+        return items + [item for _, item in self._unbucketed_memory()]
+
+    def _unbucketed_memory(self) -> Iterator[tuple[str, MemoryItem]]:
+        """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
+        for name, p in self.partition.frozen:
+            yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
         for state in self._inner.state.values():
-            items += [MemoryItem("optimizer_state", key, v) for key, v in state.items() if isinstance(v, torch.Tensor)]
-        return items
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    yield "optimizer_state", MemoryItem("optimizer_state", key, value)
 
     # ----- helpers ------------------------------------------------------------------------------------
 
@@ -353,6 +412,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _check_model(self) -> None:
         """As each backward pass starts and before a step: see :func:`zero.ownership.check_model`."""
         check_model(self.module, self.buckets, whole=self._gatherer is None)
+
+    def _before_backward(self) -> None:
+        """As each backward pass starts: the model check, (fp16) that its loss was scaled, and that the
+        optimizer's gradients of this step were not made yet (or are dropped, to be made again)."""
+        self._check_model()
+        if self.loss_scaler is not None:
+            if self._grads_prepared:
+                raise ValueError(
+                    "a backward pass after clip_grad_norm_() and before step(): with fp16 loss scaling, clipping "
+                    "unscaled this step's gradients, and this pass would add scaled ones to them. Run every "
+                    "backward pass of a step before clipping."
+                )
+            self.loss_scaler.begin_pass()
+        self._release_master_grads()
+
+    def _cast_forward_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = DTYPES[self.config.precision.param_dtype]
+        return cast_inputs(dtype, args), cast_inputs(dtype, kwargs)
+
+    def _cast_unmanaged_parameters(self) -> None:
+        """Mixed precision: the model's floating-point parameters left whole outside the buckets (frozen ones
+        at stages 0-2) compute in ``param_dtype`` too (a one-time cast: nothing updates them)."""
+        if not self.config.precision.enabled:
+            return
+        dtype = DTYPES[self.config.precision.param_dtype]
+        managed = {id(slot.param) for bucket in self.buckets for slot in bucket.slots}
+        for p in self.module.parameters():
+            if id(p) not in managed and p not in self._full_precision and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        """The optimizer's gradients for this step, made once per step (so that clipping them is what the
+        step uses): in the master dtype, unscaled (fp16), for this rank's pieces of parameters that have
+        a gradient, in model order."""
+        if not self._grads_prepared:
+            inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
+            for bucket in self.partition.trainable_buckets:
+                bucket.make_master_grads(inv_scale)
+            self._grads_prepared = True
+        return self._local_grads()
+
+    def _release_master_grads(self) -> None:
+        for bucket in self.buckets:
+            for piece in bucket.pieces:
+                piece.tensor.grad = None
+            bucket.release_master_grads()
+        self._grads_prepared = False
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
@@ -409,6 +515,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             rank=self.comm.rank,
             partition=self.partition,
             optimizer=self._inner,
+            precision=self.config.precision.model_dump(include={"param_dtype", "reduce_dtype"}),
         )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from zero.bucket import Bucket, ParamSlot
 from zero.layout import plan_buckets
+from zero.precision import BufferDtypes
 from zero.units import UnitSpec
 
 
@@ -62,6 +63,7 @@ def build_partition(
     shard_index: int,
     plan: Callable[[list[torch.nn.Parameter]], list[UnitSpec]] | None = None,
     device: torch.device | None = None,
+    dtypes_of: Callable[[torch.nn.Parameter], BufferDtypes] | None = None,
 ) -> Partition:
     """Pack the optimizer's trainable parameters into buckets (no parameter data is copied yet).
 
@@ -74,8 +76,11 @@ def build_partition(
     With a unit ``plan`` (stage 3) each unit gets bucket(s) of its own, whatever their size,
     and units are ordered by when backward should finish them (the unit holding the
     earliest-registered parameter last). Parameters on the ``meta`` device get buffers on
-    ``device`` but are not copied (see :mod:`zero.materialize`).
+    ``device`` but are not copied (see :mod:`zero.materialize`). ``dtypes_of(p)`` gives the
+    buffers' dtypes for ``p`` (``zero.precision``; default: its own dtype throughout); a bucket
+    holds parameters of one kind only.
     """
+    dtypes_of = dtypes_of or (lambda p: BufferDtypes(p.dtype, p.dtype, p.dtype))
     names = {p: name for name, p in model.named_parameters()}
     order = {p: i for i, p in enumerate(names)}
     group_of: dict[torch.nn.Parameter, int] = {}
@@ -113,17 +118,17 @@ def build_partition(
         packed.sort(key=lambda p: (not p.requires_grad, unit_of[p], -order[p]))
         bucket_cap = sum(p.numel() for p in packed)  # one bucket per unit (and dtype)
     else:
-        bucket_cap = max(1, bucket_size_bytes // max(p.element_size() for p in packed))
+        bucket_cap = max(1, bucket_size_bytes // max(dtypes_of(p).compute.itemsize for p in packed))
     layouts = plan_buckets(
         [p.numel() for p in packed],
-        [(p.dtype, device_of(p), unit_of.get(p), p.requires_grad) for p in packed],
+        [(p.dtype, dtypes_of(p), device_of(p), unit_of.get(p), p.requires_grad) for p in packed],
         bucket_cap=bucket_cap,
         num_shards=num_shards,
     )
     buckets = []
     for layout in layouts:
         first = packed[layout.spans[0].param_index]
-        bucket = Bucket(layout, shard_index, first.dtype, device_of(first), trainable=first.requires_grad)
+        bucket = Bucket(layout, shard_index, dtypes_of(first), device_of(first), trainable=first.requires_grad)
         bucket.unit = units[unit_of[first]] if units else None
         for span in layout.spans:
             p = packed[span.param_index]

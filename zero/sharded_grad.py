@@ -32,7 +32,7 @@ class ShardedGrad(torch.Tensor):
     """``p.grad`` of a parameter whose reduced gradient is sharded (see the module docstring)."""
 
     _zero_name: str = "?"
-    _zero_stage: int = 0
+    _zero_reason: str = "is sharded across ranks"
     _zero_cleared: bool = False
 
     @classmethod
@@ -55,18 +55,17 @@ class ShardedGrad(torch.Tensor):
             if is_conversion(func):
                 return convert_or_refuse(func, args, kwargs, cast_after_wrapping(guards[0]._zero_name))
             raise RuntimeError(
-                f"zero: the gradient of {guards[0]._zero_name!r} is sharded across ranks (ZeRO stage "
-                f"{guards[0]._zero_stage}): no rank holds it whole, so p.grad holds no values (used in "
-                f"{name or func}). Clip with opt.clip_grad_norm_(max_norm) instead of "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see the other ranks' "
-                "shards; clear gradients with opt.zero_grad() or model.zero_grad(). Use stage=0 to keep whole "
+                f"zero: the reduced gradient of {guards[0]._zero_name!r} {guards[0]._zero_reason}, so p.grad "
+                f"holds no values (used in {name or func}). Clip with opt.clip_grad_norm_(max_norm) instead of "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see it; clear gradients "
+                "with opt.zero_grad() or model.zero_grad(). Stage 0 without mixed precision keeps whole "
                 "gradients in p.grad."
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, stage={self._zero_stage})"
+        return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _flat(args, kwargs):
@@ -77,9 +76,10 @@ def _flat(args, kwargs):
             yield arg
 
 
-def sharded_grad(param: torch.Tensor, name: str, stage: int, base: torch.Tensor) -> ShardedGrad:
-    """A guard for ``param.grad``: ``base`` (a one-element tensor of its dtype and device) expanded to its shape."""
+def sharded_grad(param: torch.Tensor, name: str, reason: str, base: torch.Tensor) -> ShardedGrad:
+    """A guard for ``param.grad``: ``base`` (a one-element tensor of its dtype and device) expanded to its
+    shape; ``reason`` completes "the reduced gradient of <name> ..." in its errors."""
     guard = torch.Tensor._make_subclass(ShardedGrad, base.expand(param.shape), False)
     guard._zero_name = name
-    guard._zero_stage = stage
+    guard._zero_reason = reason
     return guard

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.distributed.precision_world import precision_checks
 from tests.distributed.profile_world import profile_checks
 from tests.toy import CheckpointedNet, batch
 from zero import ZeroOptimizer, init_sharded
@@ -395,4 +396,5 @@ def world_checks(rank: int, world_size: int) -> dict:
         "compiled3": compiled_stage3_matches(rank, world_size),
         "toy_paths": toy_paths(rank, world_size),
         "profile": profile_checks(rank, world_size),
+        "precision": precision_checks(rank, world_size),
     }

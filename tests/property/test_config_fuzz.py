@@ -158,6 +158,78 @@ def test_all_fields_together_are_refused_by_name_or_train(kwargs):
     check(kwargs)
 
 
+# ----- the nested precision policy ---------------------------------------------------------------------
+
+DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16", "fp16": "fp16", "half": "fp16",
+               torch.float16: "fp16", "fp32": "fp32", "float32": "fp32", torch.float32: "fp32"}
+dtype_values = st.sampled_from([None, *DTYPE_NAMES, "fp8", torch.float64, 16, True, "", "BF16"])
+loss_scales = st.one_of(
+    st.none(),
+    st.fixed_dictionaries({}, optional={
+        "init_scale": st.sampled_from([2.0**16, 1.0, 0.0, -1.0, float("inf"), 8, True]),
+        "growth_interval": st.sampled_from([1, 2000, 0, 1.5]),
+        "min_scale": st.sampled_from([1.0, 2.0**20, 0.0]),
+    }),
+)
+
+
+def precision_ok(policy: dict) -> bool:
+    """The rules of ``zero/precision.py`` restated."""
+    names = {}
+    for field in ("param_dtype", "reduce_dtype"):
+        value = policy.get(field)
+        if value is not None:
+            if isinstance(value, bool) or value not in DTYPE_NAMES:
+                return False
+            names[field] = DTYPE_NAMES[value]
+    param, reduce = names.get("param_dtype"), names.get("reduce_dtype")
+    if param == "fp32" or (param is None and reduce is not None) or (param, reduce) == ("bf16", "fp16"):
+        return False
+    scale = policy.get("loss_scale")
+    if scale is not None:
+        init, interval, low = (scale.get(k, d) for k, d in (("init_scale", 2.0**16), ("growth_interval", 2000),
+                                                             ("min_scale", 1.0)))
+        if param != "fp16" or isinstance(init, bool) or not (0 < init < float("inf")):
+            return False
+        if not isinstance(interval, int) or interval < 1 or not (0 < low <= init):
+            return False
+    return isinstance(policy.get("cast_forward_inputs", True), bool)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy=st.fixed_dictionaries(
+        {}, optional={"param_dtype": dtype_values, "reduce_dtype": dtype_values, "loss_scale": loss_scales,
+                      "cast_forward_inputs": st.sampled_from([True, False, 1, None])},
+    ),
+    stage=st.integers(0, 3),
+)
+def test_precision_is_refused_by_name_or_trains(policy, stage):
+    """Every refusal names ``precision``; every accepted policy trains (full precision: exactly like SGD)."""
+    try:
+        cfg = ZeroConfig(stage=stage, precision=policy)
+    except ValidationError as err:
+        assert not precision_ok(policy), f"refused {policy}: {err}"
+        assert all(e["loc"][0] == "precision" for e in err.errors()), err
+        return
+    assert precision_ok(policy), f"accepted {policy}"
+    model = build_model(stage)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    dtype = torch.float32
+    if cfg.precision.param_dtype is not None and not cfg.precision.cast_forward_inputs:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.param_dtype]
+    for _ in range(2):
+        opt.backward(model(x.to(dtype)).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    if cfg.precision.param_dtype is None:
+        reference = build_model(stage)
+        expected = train(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), expected)
+
+
 def test_the_oracle_knows_every_field():
     """A new ZeroConfig field must be added to the oracle (and so to the fuzzing) above."""
-    assert set(FIELDS) == set(ZeroConfig.model_fields)
+    assert set(FIELDS) | {"precision"} == set(ZeroConfig.model_fields)

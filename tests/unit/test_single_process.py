@@ -88,7 +88,7 @@ def test_stage2_releases_gradients_and_stage1_keeps_views():
         # p.grad is a guard: the reduced gradient is sharded (zero.sharded_grad)
         assert all(type(p.grad) is ShardedGrad for p in model.parameters())
         if stage == 2:
-            assert all(not b.grad_buffer.is_allocated for b in opt.buckets)  # staging released
+            assert all(not b.staging.is_allocated for b in opt.buckets)  # staging released
         else:  # autograd accumulated into the persistent gradient buckets in place, as with DDP
             assert all(b.grad_buffer.is_allocated for b in opt.buckets)
         opt.step()

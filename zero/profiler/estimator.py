@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from zero.outputs import tensors_in
+from zero.precision import DTYPES, MixedPrecision
 from zero.units import plan_units
 
 GiB = 2**30
@@ -46,18 +47,32 @@ STAGES = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of each model-state kind (Adam: ``optimizer`` is m and v)."""
+    """Bytes per parameter of each model-state kind (Adam: ``optimizer`` is m and v), as ZeroOptimizer
+    holds them under a :class:`zero.MixedPrecision` policy (``zero.precision``'s Note)."""
 
     name: str
     param: int
-    grad: int
+    grad: int  # autograd's gradients (stages 0-1: the persistent gradient buffer)
     master: int  # fp32 master copy kept by mixed precision
     optimizer: int
+    reduced: int  # the reduced gradient shard; stages 0-1 reduce the gradient buffer in place when = grad
+
+    @classmethod
+    def of(cls, policy: MixedPrecision, name: str = "") -> "Precision":
+        """The bytes a ZeroOptimizer with ``policy`` holds for an fp32-built model trained with Adam."""
+        if policy.param_dtype is None:
+            return cls(name or "fp32", param=4, grad=4, master=0, optimizer=8, reduced=4)
+        low = DTYPES[policy.param_dtype].itemsize
+        reduced = DTYPES[policy.reduce_dtype or "fp32"].itemsize
+        return cls(name or "mixed", param=low, grad=low, master=4, optimizer=8, reduced=reduced)
 
 
 PRECISIONS = {
-    "fp32": Precision("fp32", param=4, grad=4, master=0, optimizer=8),
-    "mixed": Precision("mixed", param=2, grad=2, master=4, optimizer=8),  # K = 12 in the ZeRO paper
+    "fp32": Precision.of(MixedPrecision(), "fp32"),
+    # the ZeRO paper's mixed precision (K = 12): bf16 parameters, gradients and reduction
+    "mixed": Precision.of(MixedPrecision(param_dtype="bf16", reduce_dtype="bf16"), "mixed"),
+    # MixedPrecision(param_dtype="bf16")'s default: the reduced gradient kept in fp32
+    "mixed-fp32-reduce": Precision.of(MixedPrecision(param_dtype="bf16"), "mixed-fp32-reduce"),
 }
 
 
@@ -72,17 +87,23 @@ class ModelStates:
         return self.parameters + self.gradients + self.optimizer_state
 
 
-def model_states(numel: int, world_size: int, stage: int, precision: str = "fp32") -> ModelStates:
-    """The ZeRO paper's per-rank model-state bytes (Ψ = ``numel``, N = ``world_size``)."""
+def model_states(numel: int, world_size: int, stage: int, precision: str | Precision = "fp32") -> ModelStates:
+    """Per-rank model-state bytes after a step (Ψ = ``numel``, N = ``world_size``): the ZeRO paper's
+    formulas when the reduced gradient has the gradients' dtype ("fp32", "mixed"); with a wider reduced
+    gradient ("mixed-fp32-reduce") stages 0-1 keep it beside their gradient buffer and stages 2-3
+    shard it at its own width."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    prec = _precision(precision)
+    prec = precision if isinstance(precision, Precision) else _precision(precision)
     n = world_size
     p, g, k = prec.param * numel, prec.grad * numel, (prec.master + prec.optimizer) * numel
-    sharded = {0: (p, g, k), 1: (p, g, k / n), 2: (p, g / n, k / n), 3: (p / n, g / n, k / n)}[stage]
-    return ModelStates(*map(float, sharded))
+    shard = 1 if stage == 0 else n
+    kept = g + (0 if prec.reduced == prec.grad else prec.reduced * numel / shard)  # stages 0-1
+    sharded = {0: (p, kept, k), 1: (p, kept, k / n), 2: (p, prec.reduced * numel / n, k / n)}
+    sharded[3] = (p / n, prec.reduced * numel / n, k / n)
+    return ModelStates(*map(float, sharded[stage]))
 
 
 @dataclass(frozen=True)
@@ -241,7 +262,7 @@ def estimate(
         kept = sum(traced.unit_input_bytes[n] for n in inner)
         activations = activations - sum(inner.values()) + kept + max(inner.values(), default=0)
     activations *= scale * act_scale
-    gradients = states.gradients if stage < 2 else 0.0  # stages 2-3: released at zero_grad()
+    gradients = prec.grad * traced.numel if stage < 2 else 0.0  # stages 2-3 (and reduced shards): freed at zero_grad()
     gathered, blocks = 0.0, sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
     if stage == 3:
         gathered = (traced.unit_numels.get("", 0) + sum(blocks[:2])) * prec.param
@@ -250,8 +271,6 @@ def estimate(
         host = optimizer_state + prec.grad * traced.numel / (world_size if stage >= 2 else 1)
         optimizer_state = 0.0
         notes.append("CPU offload is planned, not yet implemented by ZeroOptimizer")
-    if precision != "fp32":
-        notes.append("mixed precision is planned, not yet implemented by ZeroOptimizer")
     common = dict(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
         checkpointing=checkpointing, parameters=states.parameters, optimizer_state=optimizer_state, host=host,

@@ -3,8 +3,11 @@
 Each stage builds on the one before; the reduction machinery shared by all
 of them (gradient hooks, bucket ordering, overlap) lives in :mod:`zero.stages.reducer`, and
 stage 3's parameter gathering (module hooks, prefetch) in :mod:`zero.stages.gatherer`.
+Under mixed precision stages 0-1 take the variants of :mod:`zero.stages.mixed`.
 """
 
+from zero.precision import MixedPrecision
+from zero.stages.mixed import Stage0Mixed, Stage0MixedStaged, Stage1Staged
 from zero.stages.stage0 import Stage0
 from zero.stages.stage1 import Stage1
 from zero.stages.stage2 import Stage2
@@ -13,8 +16,13 @@ from zero.stages.stage3 import Stage3
 Stage = Stage0  # the protocol every stage implements
 
 
-def make_stage(number: int) -> Stage0:
-    """The policy object for ZeRO stage ``number`` (already validated by ``ZeroConfig``)."""
+def make_stage(number: int, precision: MixedPrecision | None = None) -> Stage0:
+    """The policy object for ZeRO stage ``number`` (already validated by ``ZeroConfig``) under ``precision``."""
+    precision = precision or MixedPrecision()
+    if precision.enabled and number in (0, 1):
+        in_place = (precision.reduce_dtype or "fp32") == precision.param_dtype
+        variants = {(0, True): Stage0Mixed, (0, False): Stage0MixedStaged, (1, True): Stage1, (1, False): Stage1Staged}
+        return variants[number, in_place]()
     stages = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
     return stages[number]()
 

@@ -52,6 +52,7 @@ import torch
 
 from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
+from zero.loss_scaler import LossScaler
 from zero.stages.backward_pass import BackwardPass
 from zero.stages.stage0 import Stage0
 from zero.weak import weak_hook
@@ -82,6 +83,7 @@ class GradReducer:
         max_in_flight: int,
         fingerprint: Callable[[], int] | None = None,
         check: Callable[[], None] | None = None,
+        scaler: LossScaler | None = None,
     ):
         self.buckets = buckets  # launch order
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
@@ -90,6 +92,7 @@ class GradReducer:
         self.max_in_flight = max_in_flight
         self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
         self.check = check  # run as each pass starts (the model still uses the managed parameters)
+        self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
         self.sync_enabled = True  # False inside no_sync()
         self.state = GradState.EMPTY
         self._pass = BackwardPass()
@@ -234,6 +237,9 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if len(self._in_flight) >= self.max_in_flight:
             self._complete_oldest()
+        grads = self.stage.collect(bucket)
+        if self.scaler is not None:
+            self.scaler.observe(grads)
         self._in_flight.append((bucket, self.stage.launch_reduce(bucket, self.comm)))
         self._next += 1
 
@@ -254,10 +260,14 @@ class GradReducer:
             value = self.fingerprint()
             local += [value, -value]  # MAX of both: equal to (value, -value) only if every rank had value
         flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
+        if self.scaler is not None:  # last: whether any rank's local gradients overflowed
+            flags = torch.cat([flags, self.scaler.local_flag()])
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
         while self._in_flight:
             self._complete_oldest()
         agreed = flags.tolist()
+        if self.scaler is not None:
+            self.scaler.agree(bool(agreed.pop()))
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
         self._to(GradState.REDUCED, GradState.REDUCING)
@@ -288,6 +298,8 @@ class GradReducer:
         self.settle()
         for bucket in self.buckets:
             self.stage.zero_grad(bucket, set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.reset()
         self.state = GradState.EMPTY
         for slot in self.slots:
             slot.used_here = False
@@ -304,3 +316,5 @@ class GradReducer:
         if self.state is not GradState.EMPTY:
             for bucket in self.buckets:
                 self.stage.zero_grad(bucket, set_to_none=False)
+        if self.scaler is not None:
+            self.scaler.reset()

@@ -14,6 +14,8 @@ on it as with DDP.
 
 from __future__ import annotations
 
+import torch
+
 from zero.bucket import Bucket, ParamSlot
 from zero.comm import Communicator, Handle
 from zero.flat_buffer import FlatBuffer
@@ -33,10 +35,13 @@ class Stage0:
         bucket.adopt_whole()
 
     def init_grads(self, bucket: Bucket) -> None:
-        """Allocate the bucket's gradient storage (each ``p.grad`` points into it from the first backward)."""
-        layout = bucket.param_buffer
-        bucket.grad_buffer = FlatBuffer(layout.numel, layout.dtype, layout.data.device)
+        """Allocate the bucket's gradient storage (each ``p.grad`` points into it from the first backward);
+        the collective reduces it in place."""
+        params = bucket.param_buffer
+        bucket.grad_buffer = FlatBuffer(params.numel, params.dtype, params.data.device)
+        bucket.staging = bucket.grad_buffer
         bucket.grad_shard = bucket.chunk_of(bucket.grad_buffer)
+        init_master_grad(bucket)
 
     # ----- one backward pass ----------------------------------------------------------------------------
 
@@ -80,17 +85,20 @@ class Stage0:
 
     # ----- reduction ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def prescale(bucket: Bucket, comm: Communicator) -> None:
-        """Divide by the world size before summing, as DDP does, so the sum is the average
-        (and its rounding is DDP's)."""
-        assert bucket.grad_buffer is not None
-        if comm.world_size > 1:
-            bucket.grad_buffer.data.div_(comm.world_size)
+    def collect(self, bucket: Bucket) -> torch.Tensor:
+        """Gather the bucket's local gradients into ``staging`` and return it (here: they are in it)."""
+        return bucket.staging.data
 
     def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
-        self.prescale(bucket, comm)
-        return comm.all_reduce(bucket.grad_buffer.data, what=f"all-reduce of {bucket}")
+        """Start reducing ``staging`` (filled by :meth:`collect`). It is divided by the world size before
+        summing, as DDP does, so the sum is the average (and its rounding is DDP's)."""
+        if comm.world_size > 1:
+            bucket.staging.data.div_(comm.world_size)
+        return self.reduce(bucket, comm)
+
+    def reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+        """The collective: every rank gets the whole sum."""
+        return comm.all_reduce(bucket.staging.data, what=f"all-reduce of {bucket}")
 
     def finish_reduce(self, bucket: Bucket) -> None:
         """Called once the bucket's collective has completed (the averaged result is in place)."""
@@ -121,3 +129,9 @@ def zero_local_grads(bucket: Bucket) -> None:
         for grad in (slot.param.grad, slot.local_grad):
             if grad is not None and grad is not slot.grad_guard and grad.untyped_storage().data_ptr() != staged:
                 grad.zero_()
+
+
+def init_master_grad(bucket: Bucket) -> None:
+    """A separate buffer for the optimizer's gradients when the gradient shard's dtype is not the master's."""
+    if bucket.dtypes.reduce != bucket.dtypes.master:
+        bucket.master_grad = FlatBuffer(bucket.layout.chunk_numel, bucket.dtypes.master, bucket.param_buffer.data.device, allocate=False)

@@ -38,15 +38,20 @@ class Stage1(Stage0):
     def init_grads(self, bucket: Bucket) -> None:
         super().init_grads(bucket)
         self.init_guards(bucket)
-        params = bucket.param_buffer
-        bucket.grad_carry = FlatBuffer(bucket.layout.chunk_numel, params.dtype, params.data.device, allocate=False)
+        shard = bucket.grad_shard
+        bucket.grad_carry = FlatBuffer(bucket.layout.chunk_numel, shard.dtype, shard.device, allocate=False)
+
+    @property
+    def guard_reason(self) -> str:
+        """Why ``p.grad`` cannot hold the reduced gradient (for the guard's errors)."""
+        return f"is sharded across ranks (ZeRO stage {self.number}): no rank holds it whole"
 
     def init_guards(self, bucket: Bucket) -> None:
         """Make each slot's ``p.grad`` guard (one element for the whole bucket)."""
         buffer = bucket.param_buffer.data
         nan = torch.full((), float("nan"), dtype=buffer.dtype, device=buffer.device)
         for slot in bucket.slots:
-            slot.grad_guard = sharded_grad(slot.param, slot.name, self.number, nan)
+            slot.grad_guard = sharded_grad(slot.param, slot.name, self.guard_reason, nan)
 
     # ----- one backward pass ----------------------------------------------------------------------------
 
@@ -82,10 +87,10 @@ class Stage1(Stage0):
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Only the guard may be there: p.grad cannot carry a sharded gradient."""
         raise ValueError(
-            f"p.grad of {slot.name!r} was replaced after backward. At ZeRO stage {self.number} the reduced gradient "
-            "is sharded across ranks and p.grad cannot carry it; change reduced gradients only with "
-            "opt.clip_grad_norm_(), and clear them with opt.zero_grad() or model.zero_grad(). (Stage 0 keeps "
-            "whole gradients in p.grad.)"
+            f"p.grad of {slot.name!r} was replaced after backward. The reduced gradient {self.guard_reason}, so "
+            "p.grad cannot carry it; change reduced gradients only with "
+            "opt.clip_grad_norm_(), and clear them with opt.zero_grad() or model.zero_grad(). (Stage 0 "
+            "without mixed precision keeps whole gradients in p.grad.)"
         )
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
@@ -95,10 +100,10 @@ class Stage1(Stage0):
 
     # ----- reduction ----------------------------------------------------------------------------------
 
-    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
-        self.prescale(bucket, comm)
+    def reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+        """The collective: each rank gets the sum of its own chunk."""
         return comm.reduce_scatter(
-            bucket.chunk_of(bucket.grad_buffer), bucket.grad_buffer.data, what=f"reduce-scatter of {bucket}"
+            bucket.chunk_of(bucket.staging), bucket.staging.data, what=f"reduce-scatter of {bucket}"
         )
 
     def finish_reduce(self, bucket: Bucket) -> None:

@@ -1,0 +1,197 @@
+"""Mixed precision in the shared worlds: what each rank runs, and the single-process references.
+
+* bf16 parity: every stage (reduce in fp32 and in bf16) against the hand-built single-process
+  recipe (a bf16 copy of the model, fp32 gradients on an fp32 master stepped by AdamW, cast
+  back), next to DDP running the same recipe, whose deviation is the noise floor;
+* fp16 overflows injected on one rank only: the skipped steps and the scale sequence of every
+  rank against ``torch.amp.GradScaler`` in one process;
+* memory after a step against the ZeRO paper's mixed-precision formulas, and traffic by dtype.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.toy import Net, batch
+from zero import ZeroOptimizer
+from zero.memory import live_tensor_bytes
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
+GLOBAL_BATCH = 6
+STAGES = (0, 1, 2, 3)
+BF16_STEPS = 6
+FP16_STEPS = 8
+OVERFLOW_STEPS = (1, 4, 5)  # the loss times 1e30 on these steps, on one rank only
+FP16_POLICY = {"param_dtype": "fp16", "loss_scale": {"init_scale": 2.0**10, "growth_interval": 2}}
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def masters_of(opt: ZeroOptimizer) -> torch.Tensor:
+    """Every rank's fp32 master pieces assembled into the whole model (in model order), on every rank."""
+    mine = [(p.slot.order, p.piece.param_start, p.tensor.detach().clone()) for b in opt.buckets for p in b.pieces]
+    everyone = [mine]
+    if dist.is_initialized() and opt.comm.world_size > 1:
+        everyone = [None] * opt.comm.world_size
+        dist.all_gather_object(everyone, mine)
+    pieces = sorted({(o, s): t for rank in everyone for o, s, t in rank}.items())
+    return torch.cat([t for _, t in pieces])
+
+
+def transients_freed(opt: ZeroOptimizer) -> bool:
+    """Whether the separate staging buffers and fp32 gradient copies are released (after a step)."""
+    staging = [b.staging for b in opt.buckets if b.staging is not None and b.staging is not b.grad_buffer]
+    copies = [b.master_grad for b in opt.buckets if b.master_grad is not None]
+    return bool(staging + copies) and not any(buffer.is_allocated for buffer in staging + copies)
+
+
+def recipe(rank: int, world_size: int, ddp: bool) -> torch.Tensor:
+    """The hand-built bf16 recipe, in one process on the whole batch or under DDP on this rank's share."""
+    low = _gpt().to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_() for p in _gpt().parameters()]
+    forward = DistributedDataParallel(low) if ddp else low
+    opt = _adamw(master)
+    for step in range(BF16_STEPS):
+        x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
+        if ddp:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        logits = forward(x)
+        nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        for m, p in zip(master, low.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad()
+        low.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, low.parameters()):
+                p.copy_(m)
+    return torch.cat([m.detach().flatten() for m in master])
+
+
+def bf16_run(rank: int, world_size: int, stage: int, reduce_dtype: str | None) -> dict:
+    model = _gpt()
+    precision = {"param_dtype": "bf16", "reduce_dtype": reduce_dtype}
+    opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=precision, bucket_size_mb=0.01)
+    for step in range(BF16_STEPS):
+        x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
+        opt.backward(model.loss(local_slice(x, rank, world_size), local_slice(y, rank, world_size)))
+        opt.step()
+        opt.zero_grad()
+    return {
+        "masters": masters_of(opt),
+        "comm_stats": opt.comm_stats,
+        "padded_numel": opt.partition.padded_numel,
+        "transients_freed": transients_freed(opt),
+    }
+
+
+def bf16_parity(rank: int, world_size: int) -> dict:
+    out = {"ddp": recipe(rank, world_size, ddp=True)}
+    if rank == 0:
+        out["reference"] = recipe(0, 1, ddp=False)
+    for stage in STAGES:
+        for reduce_dtype in (None, "bf16"):
+            out[(stage, reduce_dtype)] = bf16_run(rank, world_size, stage, reduce_dtype)
+    return out
+
+
+def _fp16_loss(model: nn.Module, x: torch.Tensor, step: int, overflow: bool) -> torch.Tensor:
+    loss = model(x, step % 2 == 1)
+    return loss * 1e30 if overflow and step in OVERFLOW_STEPS else loss  # inf in fp16
+
+
+def grad_scaler_reference() -> dict:
+    """One process, the whole batch, GradScaler over the hand-built fp16 recipe."""
+    low = Net().half()
+    master = [p.detach().float().clone().requires_grad_() for p in Net().parameters()]
+    opt = _adamw(master)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales, skipped = [], []
+    for step in range(FP16_STEPS):
+        scaler.scale(_fp16_loss(low, batch(step).half(), step, overflow=True)).backward()
+        for m, p in zip(master, low.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        before = [m.detach().clone() for m in master]
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(all(torch.equal(a, m) for a, m in zip(before, master)))
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+        low.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(master, low.parameters()):
+                p.copy_(m)
+    return {"scales": scales, "skipped": skipped, "masters": torch.cat([m.detach().flatten() for m in master])}
+
+
+def fp16_overflows(rank: int, world_size: int, stage: int) -> dict:
+    """Overflows injected on the last rank only; every rank must skip the same steps."""
+    model = Net()
+    opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=FP16_POLICY, bucket_size_mb=1e-4)
+    scales, skipped = [], []
+    for step in range(FP16_STEPS):
+        x = local_slice(batch(step), rank, world_size)
+        opt.backward(_fp16_loss(model, x, step, overflow=rank == world_size - 1))
+        before = masters_of(opt)
+        opt.step()
+        skipped.append(torch.equal(before, masters_of(opt)))
+        scales.append(opt.loss_scaler.scale)
+        opt.zero_grad()
+    return {"scales": scales, "skipped": skipped, "masters": masters_of(opt)}
+
+
+def mixed_memory(rank: int, world_size: int, stage: int, reduce_dtype: str) -> dict:
+    """Live CPU bytes after one AdamW step under bf16, against what the optimizer says it holds."""
+    gc.collect()
+    baseline = live_tensor_bytes()
+    model = _gpt()
+    precision = {"param_dtype": "bf16", "reduce_dtype": reduce_dtype}
+    opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=precision, bucket_size_mb=0.01)
+    x, y = synthetic_batch(0, GLOBAL_BATCH, CFG)
+    opt.backward(model.loss(local_slice(x, rank, world_size), local_slice(y, rank, world_size)))
+    opt.step()
+    del x, y
+    state = opt.model_state_bytes()
+    held = state.total + sum(b.numel() * b.element_size() for b in model.buffers())
+    for _ in range(5):  # gloo's worker thread may hold a finished collective's tensor for a moment
+        measured = live_tensor_bytes() - baseline
+        if measured == held:
+            break
+        time.sleep(0.05)
+    return {
+        "measured": measured,
+        "held": held,
+        "parameters": state.parameters,
+        "gradients": state.gradients,
+        "optimizer_state": state.optimizer_state,
+        "numel": opt.partition.numel,
+        "padded_numel": opt.partition.padded_numel,
+        "transients_freed": transients_freed(opt),
+    }
+
+
+def precision_checks(rank: int, world_size: int) -> dict:
+    out = {"bf16": bf16_parity(rank, world_size)}
+    if rank == 0:
+        out["grad_scaler"] = grad_scaler_reference()
+    out["fp16"] = {stage: fp16_overflows(rank, world_size, stage) for stage in STAGES}
+    out["memory"] = {
+        (stage, reduce_dtype): mixed_memory(rank, world_size, stage, reduce_dtype)
+        for stage in STAGES
+        for reduce_dtype in ("bf16", "fp32")
+    }
+    return out
