@@ -15,10 +15,10 @@ from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
 from zero.inner import check_optimizer, rebuild_optimizer
+from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.ownership import check_model, claim_parameters
-from zero.loss_scaler import LossScaler
 from zero.partition import build_partition
 from zero.precision import DTYPES, cast_inputs, check_device_supports, full_precision_parameters
 from zero.stages import Stage3, make_stage

@@ -1,13 +1,15 @@
 """Rank 0 of 64 in torch's fake process group: a meta-built GPT-2-medium-sized model at stage 3.
 
-Run in its own process (``python -m tests.distributed.fake_scale``): it initializes the default
-process group. Prints one JSON line with the measured bytes.
+Run in its own process (``python -m tests.distributed.fake_scale [bf16]``): it initializes the
+default process group. Prints one JSON line with the measured bytes. With ``bf16`` the model trains
+under ``MixedPrecision(param_dtype="bf16", reduce_dtype="bf16")``, the ZeRO paper's mixed precision.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 
 import torch
@@ -16,7 +18,7 @@ import torch.distributed as dist
 WORLD_SIZE = 64
 
 
-def main() -> None:
+def main(param_dtype: str | None) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
@@ -29,13 +31,15 @@ def main() -> None:
     baseline = live_tensor_bytes()
     start = time.perf_counter()
     torch.manual_seed(0)
+    precision = {"param_dtype": param_dtype, "reduce_dtype": param_dtype}
     model, opt = zero.init_sharded(
-        lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), init_fn=init_gpt_weights
+        lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), init_fn=init_gpt_weights,
+        precision=precision if param_dtype else {},
     )
     after_init = live_tensor_bytes() - baseline
     init_s = time.perf_counter() - start
     x, y = synthetic_batch(0, 1, cfg)
-    model.loss(x, y).backward()
+    opt.backward(model.loss(x, y))
     opt.step()  # (the fake group moves no data, so the values are meaningless; the bytes are real)
     del x, y
     measured = live_tensor_bytes() - baseline
@@ -51,6 +55,7 @@ def main() -> None:
                 "measured": measured,
                 "after_init": after_init,
                 "held": state.total,
+                "model_state": [state.parameters, state.gradients, state.optimizer_state],
                 "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
                 "comm_stats": opt.comm_stats,
                 "init_s": init_s,
@@ -62,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -14,13 +14,18 @@ from zero import zero_model_state_bytes
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def scale() -> dict:
+def _run(*args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.distributed.fake_scale"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.distributed.fake_scale", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def scale() -> dict:
+    return _run()
 
 
 def test_model_state_of_one_rank_of_64_is_16_psi_over_n(scale):
@@ -41,3 +46,18 @@ def test_stage3_traffic_is_three_psi(scale):
     last_block = units[f"blocks.{scale['num_layers'] - 1}"]
     assert stats["all_gather"]["numel"] == 2 * padded - units[""] - last_block
     assert stats["reduce_scatter"]["numel"] == padded
+
+
+def test_mixed_precision_model_state_of_one_rank_of_64_is_the_papers():
+    """bf16 parameters, gradients and reduction over fp32 master shards: 2Ψ/N + 2Ψ/N + 12Ψ/N."""
+    bf16 = _run("bf16")
+    psi, n = bf16["numel"], bf16["world_size"]
+    assert bf16["measured"] == bf16["held"] + bf16["buffers"]
+    assert bf16["measured"] == pytest.approx(zero_model_state_bytes(psi, n, 3), rel=0.01)
+    parameters, gradients, optimizer_state = bf16["model_state"]
+    assert parameters == pytest.approx(2 * psi / n, rel=0.01)
+    assert gradients == pytest.approx(2 * psi / n, rel=0.01)
+    assert optimizer_state == pytest.approx(12 * psi / n, rel=0.01)  # fp32 master, m and v
+    # Built on meta: after initialization a rank holds its bf16 shard and its fp32 master (6Ψ/N).
+    assert bf16["after_init"] == pytest.approx(6 * psi / n, rel=0.01)
+    assert bf16["comm_stats"]["all_gather"]["bytes"] == 2 * bf16["comm_stats"]["all_gather"]["numel"]

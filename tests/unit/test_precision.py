@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tests.toy import Net, batch
-from zero import MixedPrecision, ZeroConfig, ZeroOptimizer
+from zero import MixedPrecision, ZeroConfig, ZeroOptimizer, init_sharded
+from zero.models import GPT, GPTConfig, init_gpt_weights
 from zero.precision import check_device_supports
 
 STAGES = (0, 1, 2, 3)
@@ -321,3 +322,17 @@ def test_full_precision_loss_scale_and_backward_are_plain():
     assert opt.scale_loss(loss) is loss and opt.loss_scaler is None
     opt.backward(loss)
     opt.step()
+
+
+def test_meta_init_makes_fp32_masters_equal_to_a_normal_build():
+    """Built on meta under bf16: each parameter is initialized in fp32 (its master), then cast."""
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
+    torch.manual_seed(1234)
+    normal = torch.cat([p.detach().flatten() for p in GPT(cfg).parameters()])
+    torch.manual_seed(1234)
+    model, opt = init_sharded(
+        lambda: GPT(cfg), lambda m: _adamw(m.parameters()), init_fn=init_gpt_weights, precision={"param_dtype": "bf16"}
+    )
+    assert torch.equal(master_weights(opt), normal)
+    with opt.gathered_parameters():
+        assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), normal.bfloat16())

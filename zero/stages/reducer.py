@@ -20,7 +20,8 @@ Life of one backward pass:
    (or the end of the pass) hands the gradient to the stage (``stage.stage_grad``), so that hooks
    the user registered after ours have run on it first.
 3. Buckets are launched strictly in bucket order, each as soon as it and every bucket
-   before it are ready. Note: the order is what keeps ranks in step. Collectives are
+   before it are ready: the stage collects its gradients into the buffer to reduce
+   (``stage.collect``), then starts the collective (``stage.launch_reduce``). Note: the order is what keeps ranks in step. Collectives are
    matched by the order in which ranks issue them, so a bucket that is complete early
    on one rank (its parameters all used) but late on another (one of them unused there)
    still goes out in the same position everywhere.
@@ -28,7 +29,9 @@ Life of one backward pass:
    completes the oldest (``stage.finish_reduce``), which bounds stage 2's memory.
 5. When the pass ends, buckets not yet launched are completed with zeros for the
    gradients that never arrived and launched in order; then one small all-reduce tells
-   every rank which parameters got a gradient on *any* rank. The optimizer gives the
+   every rank which parameters got a gradient on *any* rank (and, with fp16 loss scaling,
+   whether any rank's local gradients overflowed: each bucket is checked as it is collected
+   for its reduction, see :mod:`zero.loss_scaler`). The optimizer gives the
    others no gradient at all, exactly as single-process PyTorch leaves ``p.grad = None``.
    At stage 3 the same all-reduce carries a fingerprint of the units each rank gathered,
    so ranks that ran different units are caught here (see ``zero.stages.gatherer``).
