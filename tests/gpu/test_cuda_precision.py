@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.profiler.estimator import model_states
@@ -18,22 +19,13 @@ CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads
 def _recipe(steps: int) -> torch.Tensor:
     """A bf16 copy for forward/backward, fp32 gradients on fp32 masters, AdamW, cast back."""
     torch.manual_seed(0)
-    model = GPT(CFG).cuda()
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    low = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(master, lr=1e-3)
+    r = MasterRecipe(GPT(CFG).cuda(), torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=1e-3))
     for step in range(steps):
         x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
-        low.loss(x, y).backward()
-        for m, p in zip(master, low.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        opt.zero_grad()
-        low.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
-    return torch.cat([m.detach().flatten() for m in master])
+        r.low.loss(x, y).backward()
+        r.grads_to_master()
+        r.step()
+    return r.flat()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.recipes import MasterRecipe
 from tests.toy import Net, batch
 from zero import MixedPrecision, ZeroConfig, ZeroOptimizer, init_sharded
 from zero.models import GPT, GPTConfig, init_gpt_weights
@@ -30,23 +31,14 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 def reference(dtype: torch.dtype, clip: float | None = None, steps: int = STEPS, model: nn.Module | None = None):
     """The hand-built recipe: returns the fp32 master weights after ``steps`` steps."""
-    model = model or Net()
-    low = copy.deepcopy(model).to(dtype)
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = _adamw(master)
+    r = MasterRecipe(model or Net(), dtype, _adamw)
     for step in range(steps):
-        low(batch(step).to(dtype), step % 2 == 1).backward()
-        for m, p in zip(master, low.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
+        r.low(batch(step).to(dtype), step % 2 == 1).backward()
+        r.grads_to_master()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(master, clip)
-        opt.step()
-        opt.zero_grad()
-        low.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
-    return torch.cat([m.detach().flatten() for m in master])
+            torch.nn.utils.clip_grad_norm_(r.master, clip)
+        r.step()
+    return r.flat()
 
 
 def master_weights(opt: ZeroOptimizer) -> torch.Tensor:
@@ -147,26 +139,14 @@ def test_fp16_loss_scaling_skips_and_scales_like_grad_scaler(stage):
         loss = model(batch(step).to(dtype), step % 2 == 1)
         return loss * 1e30 if step in overflow_steps else loss  # inf in fp16
 
-    model = Net()
-    low = copy.deepcopy(model).half()
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = _adamw(master)
+    r = MasterRecipe(Net(), torch.float16, _adamw)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     ref_scales, ref_skipped = [], []
     for step in range(steps):
-        scaler.scale(loss_of(low, step, torch.float16)).backward()
-        for m, p in zip(master, low.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
-        before = [m.detach().clone() for m in master]
-        scaler.step(opt)
-        scaler.update()
-        ref_skipped.append(all(torch.equal(a, m) for a, m in zip(before, master)))
+        scaler.scale(loss_of(r.low, step, torch.float16)).backward()
+        r.grads_to_master()
+        ref_skipped.append(r.step(scaler))
         ref_scales.append(scaler.get_scale())
-        opt.zero_grad()
-        low.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
     assert ref_skipped == [s in overflow_steps for s in range(steps)]
     assert len(set(ref_scales)) > 2  # it backed off and grew
 
@@ -182,7 +162,7 @@ def test_fp16_loss_scaling_skips_and_scales_like_grad_scaler(stage):
         zopt.zero_grad()
     assert skipped == ref_skipped
     assert scales == ref_scales
-    assert torch.equal(master_weights(zopt), torch.cat([m.detach().flatten() for m in master]))
+    assert torch.equal(master_weights(zopt), r.flat())
 
 
 def test_fp16_refuses_an_unscaled_backward_and_a_collapsed_scale():
@@ -284,10 +264,11 @@ def test_cast_forward_inputs_can_be_turned_off(stage):
     model = Net()
     policy = {"param_dtype": "bf16", "cast_forward_inputs": False}
     opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=policy)
-    with pytest.raises(RuntimeError, match="dtype"):
-        model(batch(0))  # fp32 input, bf16 weights: torch's own error
     opt.backward(model(batch(0).bfloat16()))
     opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(batch(1))  # fp32 input, bf16 weights: torch's own error
 
 
 def test_policy_errors_name_the_field():

@@ -1,0 +1,57 @@
+"""The hand-built mixed-precision recipe that ZeroOptimizer is compared with (the pattern of FSDP2's own
+mixed-precision tests), and a measurement helper shared by the worlds."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zero.memory import live_tensor_bytes
+
+
+class MasterRecipe:
+    """A low-precision copy of ``model`` for forward and backward; after backward its gradients are cast
+    to fp32 onto an fp32 master copy, which ``make_optimizer`` steps and which is then cast back."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, make_optimizer: Callable[[list], torch.optim.Optimizer]):
+        self.master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+        self.low = copy.deepcopy(model).to(dtype)
+        self.opt = make_optimizer(self.master)
+
+    def grads_to_master(self) -> None:
+        for m, p in zip(self.master, self.low.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Step the master (through ``scaler`` if given), clear gradients, cast back; returns whether the
+        step was skipped (no master value changed)."""
+        before = [m.detach().clone() for m in self.master]
+        if scaler is None:
+            self.opt.step()
+        else:
+            scaler.step(self.opt)
+            scaler.update()
+        self.opt.zero_grad()
+        self.low.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.low.parameters()):
+                p.copy_(m)
+        return all(torch.equal(a, m) for a, m in zip(before, self.master))
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([m.detach().flatten() for m in self.master])
+
+
+def settled_live_bytes(baseline: int, held: int) -> int:
+    """Live CPU tensor bytes above ``baseline``, re-measured for a moment until they equal ``held``: gloo's
+    worker thread may hold a finished collective's tensor briefly."""
+    for _ in range(5):
+        measured = live_tensor_bytes() - baseline
+        if measured == held:
+            break
+        time.sleep(0.05)
+    return measured
