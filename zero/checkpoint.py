@@ -40,7 +40,7 @@ def header(
         "stage": stage,
         "world_size": world_size,
         "rank": rank,
-        "precision": precision or FULL_PRECISION,
+        "precision": dict(precision or FULL_PRECISION),
         "layout": {
             "params": [(s.name, tuple(s.param.shape), str(s.param.dtype)) for s in partition.slots],
             "buckets": [(b.layout.padded_numel, len(b.slots)) for b in partition.buckets],

@@ -1,4 +1,5 @@
-"""What ``p.grad`` holds at stages 1-3 after a reduction: a guard, never a wrong number.
+"""What ``p.grad`` holds at stages 1-3 (and at stage 0 under mixed precision, where the reduced
+gradient belongs to the fp32 master) after a reduction: a guard, never a wrong number.
 
 At stages 1-3 no rank holds a parameter's whole reduced gradient (each holds its 1/N
 chunk), so ``p.grad`` cannot show it. Leaving ``p.grad`` as ``None`` (or as this rank's

@@ -134,4 +134,5 @@ def zero_local_grads(bucket: Bucket) -> None:
 def init_master_grad(bucket: Bucket) -> None:
     """A separate buffer for the optimizer's gradients when the gradient shard's dtype is not the master's."""
     if bucket.dtypes.reduce != bucket.dtypes.master:
-        bucket.master_grad = FlatBuffer(bucket.layout.chunk_numel, bucket.dtypes.master, bucket.param_buffer.data.device, allocate=False)
+        device = bucket.param_buffer.data.device
+        bucket.master_grad = FlatBuffer(bucket.layout.chunk_numel, bucket.dtypes.master, device, allocate=False)
