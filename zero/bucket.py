@@ -39,6 +39,7 @@ import torch
 from zero.flat_buffer import FlatBuffer
 from zero.layout import BucketLayout, ParamSpan, Piece
 from zero.memory import MemoryItem
+from zero.offload import Placement
 from zero.precision import BufferDtypes
 from zero.sharded_param import cast_after_wrapping
 
@@ -84,10 +85,17 @@ class Bucket:
     """Runtime state of one :class:`~zero.layout.BucketLayout` on one rank."""
 
     def __init__(
-        self, layout: BucketLayout, shard_index: int, dtypes: BufferDtypes, device: torch.device, trainable: bool = True
+        self,
+        layout: BucketLayout,
+        shard_index: int,
+        dtypes: BufferDtypes,
+        device: torch.device,
+        trainable: bool = True,
+        placement: Placement = Placement(),
     ):
         self.layout = layout
         self.dtypes = dtypes
+        self.placement = placement
         self.index = layout.index
         self.shard_index = shard_index
         self.trainable = trainable
@@ -96,8 +104,9 @@ class Bucket:
         self.param_buffer = FlatBuffer(layout.padded_numel, dtypes.compute, device, allocate=False)  # the stage fills it
         self.shard_buffer: FlatBuffer | None = None  # stage 3
         self.master_buffer: FlatBuffer | None = None
-        if trainable and dtypes.separate_master:
-            self.master_buffer = FlatBuffer(layout.chunk_numel, dtypes.master, device)  # padding: zeros
+        self.master_device = placement.master_device or device
+        if trainable and (dtypes.separate_master or self.offloaded):  # padding: zeros
+            self.master_buffer = self.optimizer_side_buffer(dtypes.master)
         self.grad_buffer: FlatBuffer | None = None  # set by the stage
         self.staging: FlatBuffer | None = None  # set by the stage
         self.grad_shard: torch.Tensor | None = None  # set by the stage
@@ -166,6 +175,18 @@ class Bucket:
 
     # ----- master weights --------------------------------------------------------------------------
 
+    @property
+    def offloaded(self) -> bool:
+        """The optimizer's side (master, its gradients, the step) lives in host memory (``zero.offload``),
+        in buffers of its own even when the model is on the CPU too."""
+        return self.placement.master_device is not None
+
+    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True) -> FlatBuffer:
+        """A chunk-sized buffer on the optimizer's side (host memory when offloaded: pinned with a GPU,
+        and then always allocated)."""
+        pin = self.placement.pin and self.offloaded
+        return FlatBuffer(self.layout.chunk_numel, dtype, self.master_device, allocate=allocate, pin=pin)
+
     def push_master(self) -> None:
         """Cast the master chunk into this rank's chunk of the parameters (after a step or a load)."""
         if self.master_buffer is not None:
@@ -180,15 +201,16 @@ class Bucket:
             return
         with torch.no_grad():
             master, shard = self.master_buffer.data, self.shard
-            edited = shard.ne(master.to(shard.dtype))
-            master.copy_(torch.where(edited, shard.to(master.dtype), master))
+            on_shard = master.to(device=shard.device)
+            edited = shard.ne(on_shard.to(shard.dtype))
+            master.copy_(torch.where(edited, shard.to(master.dtype), on_shard))
 
     def make_master_grads(self, inv_scale: float) -> None:
         """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
         (``inv_scale`` 1.0: none). In place when ``grad_shard`` is in the master dtype already."""
         if self.master_grad is not None:
             self.master_grad.allocate(zero=False)
-            self.master_grad.data.copy_(self.grad_shard)
+            self.master_grad.data.copy_(self.grad_shard, non_blocking=self.master_grad.pinned)
             target = self.master_grad.data
         else:
             target = self.grad_shard
@@ -196,7 +218,7 @@ class Bucket:
             target.mul_(inv_scale)
 
     def release_master_grads(self) -> None:
-        if self.master_grad is not None:
+        if self.master_grad is not None and not self.master_grad.pinned:
             self.master_grad.free()
 
     # ----- views ----------------------------------------------------------------------------------
@@ -264,15 +286,17 @@ class Bucket:
         else:
             params = ("parameters", "whole" if self.shard_buffer is None else "gathered")
         staging = self.staging if self.staging is not self.grad_buffer else None  # else: the local gradients
+        host = " (host)" if self.offloaded else ""
+        shard = "shard (host)" if self.placement.shard_device is not None else "shard"
         roles = [
             ("parameters", *params, self.param_buffer),
-            ("parameters", "parameters", "shard", self.shard_buffer),
-            ("optimizer_state", "optimizer_state", "master weights", self.master_buffer),
+            ("parameters", "parameters", shard, self.shard_buffer),
+            ("optimizer_state", "optimizer_state", "master weights" + host, self.master_buffer),
             ("gradients", "gradients", "buckets", self.grad_buffer),
             ("gradients", "communication", "reduce-scatter", staging),  # exists only for the collective
             ("gradients", "gradients", "shard", self.grad_shard_buffer),
             ("gradients", "gradients", "carried", self.grad_carry),
-            ("gradients", "gradients", "master", self.master_grad),
+            ("gradients", "gradients", "master" + host, self.master_grad),
         ]
         for kind, category, label, buffer in roles:
             if buffer is not None:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
+from zero.offload import Offload
 from zero.precision import MixedPrecision
 
 SUPPORTED_STAGES = (0, 1, 2, 3)
@@ -86,6 +87,13 @@ class ZeroConfig(BaseModel):
         "Default: full precision.",
     )
 
+    offload: Offload = Field(
+        default_factory=Offload,
+        description="CPU offload (zero.Offload, or a mapping): {'optimizer': 'cpu'} keeps the fp32 master shard, "
+        "the optimizer's gradients and state in host memory and steps there (stages 1-3); {'params': 'cpu'} "
+        "also keeps stage 3's parameter shards there. Default: nothing offloaded.",
+    )
+
     unit_classes: Optional[tuple[StrictStr, ...]] = Field(
         None,
         description="Stage 3: names of the module classes that each form one gathering unit, as a list (e.g. "
@@ -145,6 +153,21 @@ class ZeroConfig(BaseModel):
         for name in names or ():
             _check_class_name(name)
         return names
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> "ZeroConfig":
+        if self.offload.params_on_host and self.stage != 3:
+            raise ValueError(
+                f"offload.params='cpu' needs stage 3 (got stage {self.stage}): only stage 3 shards the parameters; "
+                "below it every rank computes with whole parameters on the device. Use stage=3, or "
+                "offload.optimizer='cpu' alone."
+            )
+        if self.offload.optimizer_on_host and self.stage == 0:
+            raise ValueError(
+                "offload.optimizer='cpu' needs stage 1, 2 or 3 (got stage 0): stage 0 keeps the whole optimizer "
+                "state on every rank. Use stage 1 or higher."
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_unit_policy(self) -> "ZeroConfig":

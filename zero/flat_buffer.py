@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from zero.offload import host_buffer
+
 
 class FlatBuffer:
     """A 1D tensor of ``numel`` elements whose storage can be released and restored."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, allocate: bool = True):
+    def __init__(
+        self, numel: int, dtype: torch.dtype, device: torch.device, *, allocate: bool = True, pin: bool = False
+    ):
         self.numel = numel
         self.dtype = dtype
+        self.pinned = pin
+        if pin:  # page-locked host memory (for asynchronous copies to a GPU): always allocated
+            self.data = host_buffer(numel, dtype, pin=True)
+            return
         self.data = torch.empty(numel, dtype=dtype, device=device)  # 1D
         if allocate:
             self.data.zero_()
@@ -41,6 +49,7 @@ class FlatBuffer:
 
     def free(self) -> None:
         """Release the storage's bytes; views stay attached to the (empty) storage."""
+        assert not self.pinned, "pinned host buffers stay allocated"
         self.data.untyped_storage().resize_(0)
 
     def disown(self) -> None:

@@ -18,6 +18,7 @@ from zero.inner import check_optimizer, rebuild_optimizer
 from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
+from zero.offload import Placement, check_host_memory, wait_for_copies
 from zero.ownership import check_model, claim_parameters
 from zero.partition import build_partition
 from zero.precision import DTYPES, cast_inputs, check_device_supports, full_precision_parameters
@@ -98,6 +99,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._broadcast_module_states(skip=meta)
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
         self._full_precision = full_precision_parameters(model) if precision.enabled else set()
+        offload = self.config.offload
+        trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+        param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
+        check_host_memory(offload, -(-trainable // num_shards), param_bytes)
         self.partition = build_partition(
             optimizer,
             model,
@@ -107,6 +112,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan=self._unit_plan(),
             device=self._init_device,
             dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in self._full_precision),
+            placement=Placement.of(offload, self.comm.device),
         )
         claim_parameters(self, self.buckets)
         for bucket in self.buckets:
@@ -207,6 +213,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # arithmetic as torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
         norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else self._no_norm()
+        total = total.to(self.comm.device)  # offload: the gradients (and their norm) are on the host
         if self.zero_stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
             what = "all-reduce of the gradient norm"
             if norm_type == math.inf:
@@ -219,7 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
         return total
 
     @torch.no_grad()
@@ -450,6 +457,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
             for bucket in self.partition.trainable_buckets:
                 bucket.make_master_grads(inv_scale)
+            wait_for_copies(self.comm.device)  # offload: the gradients copied down have landed
             self._grads_prepared = True
         return self._local_grads()
 

@@ -13,6 +13,7 @@ import torch
 
 from zero.bucket import Bucket, ParamSlot
 from zero.layout import plan_buckets
+from zero.offload import Placement
 from zero.precision import BufferDtypes
 from zero.units import UnitSpec
 
@@ -64,6 +65,7 @@ def build_partition(
     plan: Callable[[list[torch.nn.Parameter]], list[UnitSpec]] | None = None,
     device: torch.device | None = None,
     dtypes_of: Callable[[torch.nn.Parameter], BufferDtypes] | None = None,
+    placement: Placement = Placement(),
 ) -> Partition:
     """Pack the optimizer's trainable parameters into buckets (no parameter data is copied yet).
 
@@ -78,7 +80,8 @@ def build_partition(
     earliest-registered parameter last). Parameters on the ``meta`` device get buffers on
     ``device`` but are not copied (see :mod:`zero.materialize`). ``dtypes_of(p)`` gives the
     buffers' dtypes for ``p`` (``zero.precision``; default: its own dtype throughout); a bucket
-    holds parameters of one kind only.
+    holds parameters of one kind only. ``placement`` says which buffers live in host memory
+    (``zero.offload``).
     """
     dtypes_of = dtypes_of or (lambda p: BufferDtypes(p.dtype, p.dtype, p.dtype))
     names = {p: name for name, p in model.named_parameters()}
@@ -128,7 +131,9 @@ def build_partition(
     buckets = []
     for layout in layouts:
         first = packed[layout.spans[0].param_index]
-        bucket = Bucket(layout, shard_index, dtypes_of(first), device_of(first), trainable=first.requires_grad)
+        bucket = Bucket(
+            layout, shard_index, dtypes_of(first), device_of(first), trainable=first.requires_grad, placement=placement
+        )
         bucket.unit = units[unit_of[first]] if units else None
         for span in layout.spans:
             p = packed[span.param_index]

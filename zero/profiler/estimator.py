@@ -267,10 +267,11 @@ def estimate(
     if stage == 3:
         gathered = (traced.unit_numels.get("", 0) + sum(blocks[:2])) * prec.param
     optimizer_state, host, notes = states.optimizer_state, 0.0, []
-    if offload:
-        host = optimizer_state + prec.grad * traced.numel / (world_size if stage >= 2 else 1)
+    if offload and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
+    if offload:  # zero.offload: fp32 master, its fp32 gradient copy and the optimizer state, this rank's chunk
+        host = (max(prec.master, 4) + prec.optimizer + 4) * traced.numel / world_size
         optimizer_state = 0.0
-        notes.append("CPU offload is planned, not yet implemented by ZeroOptimizer")
     common = dict(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
         checkpointing=checkpointing, parameters=states.parameters, optimizer_state=optimizer_state, host=host,
@@ -322,7 +323,7 @@ def plan(
     for micro in micro_batches:
         for checkpointing in (False, True):
             for offload in (False, True):
-                for stage in STAGES:
+                for stage in STAGES[1:] if offload else STAGES:  # offload needs stage 1-3 (zero.offload)
                     e = estimate(
                         traced, stage=stage, world_size=world_size, micro_batch=micro,
                         traced_micro_batch=traced_micro_batch, precision=precision, offload=offload,

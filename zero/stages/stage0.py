@@ -132,7 +132,7 @@ def zero_local_grads(bucket: Bucket) -> None:
 
 
 def init_master_grad(bucket: Bucket) -> None:
-    """A separate buffer for the optimizer's gradients when the gradient shard's dtype is not the master's."""
-    if bucket.dtypes.reduce != bucket.dtypes.master:
-        device = bucket.param_buffer.data.device
-        bucket.master_grad = FlatBuffer(bucket.layout.chunk_numel, bucket.dtypes.master, device, allocate=False)
+    """A separate buffer for the optimizer's gradients when the gradient shard's dtype or device is not the
+    master's."""
+    if bucket.dtypes.reduce != bucket.dtypes.master or bucket.offloaded:
+        bucket.master_grad = bucket.optimizer_side_buffer(bucket.dtypes.master, allocate=False)

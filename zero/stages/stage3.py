@@ -29,7 +29,9 @@ class Stage3(Stage2):
         """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
         buf = bucket.param_buffer
         bucket.make_views()
-        bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, buf.data.device)  # padding: zeros
+        device = bucket.placement.shard_device or buf.data.device  # host memory with offload.params
+        pin = bucket.placement.pin and bucket.placement.shard_device is not None
+        bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, device, pin=pin)  # padding: zeros
         for slot in bucket.slots:
             bucket.copy_to_shard(slot, slot.param)
         nan = placeholder((), buf.dtype, buf.data.device)  # one element, shared by the bucket's placeholders
@@ -48,7 +50,8 @@ class Stage3(Stage2):
         """Allocate ``param_buffer`` and start gathering every rank's chunk into it."""
         assert bucket.shard_buffer is not None
         bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
-        return comm.all_gather(bucket.param_buffer.data, bucket.shard, what=f"all-gather of {bucket}")
+        source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
+        return comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}")
 
     def attach(self, bucket: Bucket) -> None:
         """The gather has completed: point each parameter at its whole value."""

@@ -1,0 +1,82 @@
+"""CPU offload at world size 1: the same numbers as without offload, host buffers named as such, and
+clear errors for bad input (the multi-rank comparison is in ``tests/distributed/offload_world.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import zero.offload
+from tests.toy import Net, batch
+from zero import ZeroConfig, ZeroOptimizer
+
+PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype": "fp16"}}
+
+
+def train(stage: int, offload: dict, precision: dict, steps: int = 4) -> tuple[torch.Tensor, ZeroOptimizer]:
+    """AdamW with ``no_sync`` accumulation and clipping; the whole parameters (in fp32) afterwards."""
+    model = Net()
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), model, stage=stage, offload=offload,
+        precision=precision, bucket_size_mb=1e-4,
+    )
+    for step in range(steps):
+        with opt.no_sync():
+            opt.backward(model(batch(step)) / 2)
+        opt.backward(model(batch(step + 10), step % 2 == 1) / 2)
+        opt.clip_grad_norm_(0.1)
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_parameters():
+        return torch.cat([p.detach().float().flatten() for p in model.parameters()]), opt
+
+
+CASES = [(s, "optimizer") for s in (1, 2, 3)] + [(3, "params")]
+
+
+@pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_offload_changes_no_number(stage, what, precision):
+    expected, _ = train(stage, {}, PRECISIONS[precision])
+    got, opt = train(stage, {what: "cpu"}, PRECISIONS[precision])
+    assert torch.equal(got, expected)
+    labels = {item.label for b in opt.partition.trainable_buckets for _, item in b.roles()}
+    assert {"master weights (host)", "master (host)"} <= labels
+    assert ("shard (host)" in labels) == (what == "params")
+    for state in opt.inner.state.values():  # the wrapped optimizer's state lives with the master weights
+        assert all(v.device.type == "cpu" for v in state.values() if isinstance(v, torch.Tensor))
+    assert all(b.master_buffer is not None for b in opt.partition.trainable_buckets)
+
+
+def test_offloaded_state_dict_round_trips():
+    _, opt = train(2, {"optimizer": "cpu"}, PRECISIONS["bf16"], steps=2)
+    saved = opt.state_dict()
+    model = Net()
+    other = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), model, stage=2,
+        offload={"optimizer": "cpu"}, precision={"param_dtype": "bf16"}, bucket_size_mb=1e-4,
+    )
+    other.load_state_dict(saved)
+    for a, b in zip(opt.buckets, other.buckets):
+        assert torch.equal(a.master_buffer.data, b.master_buffer.data)
+
+
+def test_bad_offload_input_is_refused_naming_the_cause(monkeypatch):
+    with pytest.raises(ValidationError, match="offload"):
+        ZeroConfig(offload={"optimizer": "nvme"})
+    with pytest.raises(ValidationError, match="offload"):
+        ZeroConfig(offload={"gpu": "cpu"})
+    with pytest.raises(ValueError, match="offload.params='cpu' needs stage 3"):
+        ZeroConfig(stage=2, offload={"params": "cpu"})
+    with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
+        ZeroConfig(stage=0, offload={"optimizer": "cpu"})
+    monkeypatch.setattr(zero.offload, "available_host_bytes", lambda: 1000)
+    model = Net()
+    with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .* only .* GiB is available"):
+        ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2, offload={"optimizer": "cpu"})
+    ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)  # nothing offloaded: no check
+
+
+def test_host_memory_is_known_here():
+    assert zero.offload.available_host_bytes() > 0

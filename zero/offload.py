@@ -1,0 +1,120 @@
+"""CPU offload: the policy (``ZeroConfig.offload``), where the optimizer-side buffers live, and the host
+memory check made before anything is allocated.
+
+With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
+memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
+optimizer's state (created on the master's device by ``torch.optim``). The reduced gradient shard
+is copied down at the step, the step runs on the host, and each bucket's updated master is cast
+back into the device's low-precision parameters. With ``params="cpu"`` (stage 3) each rank's
+parameter shard lives in host memory too and is copied up for its unit's all-gather; it implies
+optimizer offload (the master shard is then a host buffer whatever the dtypes).
+
+Host buffers are pinned when the model is on a GPU, so that copies to and from it can run
+asynchronously. The arithmetic is unchanged: the same optimizer steps the same fp32 values, so
+offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+HOST = torch.device("cpu")
+# bytes per element of this rank's chunk held on the host: fp32 master, fp32 gradient, two fp32 moments
+HOST_BYTES_PER_ELEMENT = 4 + 4 + 8
+
+
+class Offload(BaseModel):
+    """The offload policy of :class:`zero.ZeroConfig` (``offload=``): ``{"optimizer": "cpu"}`` keeps the
+    fp32 master shard, the optimizer's gradients and its state in host memory and steps there (stages
+    1-3); ``{"params": "cpu"}`` also keeps stage 3's parameter shards there."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    optimizer: Literal["none", "cpu"] = Field(
+        "none", description="'cpu': master weights, optimizer gradients and state in host memory; step on the host."
+    )
+    params: Literal["none", "cpu"] = Field(
+        "none", description="'cpu' (stage 3): parameter shards in host memory, copied up for each gather."
+    )
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.optimizer == "cpu" or self.params == "cpu"
+
+    @property
+    def params_on_host(self) -> bool:
+        return self.params == "cpu"
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to this process now (``MemAvailable`` on Linux), or ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> None:
+    """Raise before allocating if this rank's host buffers would not fit in the memory available now
+    (``shard_numel``: elements of this rank's chunks; ``param_bytes``: bytes per element of a parameter
+    shard kept on the host)."""
+    if not offload.optimizer_on_host:
+        return
+    needed = shard_numel * (HOST_BYTES_PER_ELEMENT + (param_bytes if offload.params_on_host else 0))
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"CPU offload needs about {needed / 2**30:.2f} GiB of host memory on this rank (fp32 master, "
+            f"gradients and Adam-sized optimizer state for {shard_numel:,} elements"
+            f"{', plus the parameter shard' if offload.params_on_host else ''}), but only "
+            f"{available / 2**30:.2f} GiB is available. Use more ranks (the shard shrinks as 1/N), free host "
+            "memory, or offload less (offload.params='none', or offload.optimizer='none')."
+        )
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed 1D host tensor, pinned if ``pin`` (a clear error if pinned memory cannot be had)."""
+    try:
+        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pin)
+    except RuntimeError as err:
+        raise ValueError(
+            f"CPU offload could not allocate {numel * dtype.itemsize / 2**20:.1f} MiB of pinned host memory "
+            f"({err}). Pinned (page-locked) memory is limited by the system (ulimit -l, container limits); "
+            "raise the limit, use more ranks, or set offload.optimizer='none'."
+        ) from err
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a bucket's buffers live beyond its device (``None``: on the device)."""
+
+    master_device: torch.device | None = None  # the optimizer's side: master, its gradients, the step
+    shard_device: torch.device | None = None  # stage 3's parameter shard
+    pin: bool = False  # host buffers pinned (a GPU is present)
+
+    @classmethod
+    def of(cls, offload: Offload, device: torch.device) -> "Placement":
+        pin = device.type == "cuda"
+        return cls(
+            master_device=HOST if offload.optimizer_on_host else None,
+            shard_device=HOST if offload.params_on_host else None,
+            pin=pin,
+        )
+
+
+def wait_for_copies(device: torch.device) -> None:
+    """Asynchronous copies between ``device`` and pinned host memory have landed."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
