@@ -17,6 +17,7 @@ offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,3 +119,16 @@ def wait_for_copies(device: torch.device) -> None:
     """Asynchronous copies between ``device`` and pinned host memory have landed."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def warn_unfused_host_step(optimizer: torch.optim.Optimizer) -> None:
+    """The host step is memory-bound: torch's fused CPU Adam/AdamW kernel runs at the bandwidth limit,
+    the foreach and single-tensor ones several times slower (``benchmarks/optimizer_step.py``)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not optimizer.defaults.get("fused"):
+        kernel = "single-tensor" if optimizer.defaults.get("foreach") is False else "foreach"
+        warnings.warn(
+            f"offloaded {type(optimizer).__name__} steps on the host with its {kernel} kernel; build it with "
+            f"fused=True for a host step at memory bandwidth (about 8x faster on CPU, "
+            "see benchmarks/optimizer_step.py; its rounding differs from the foreach kernel's by about 1 ulp).",
+            stacklevel=4,
+        )

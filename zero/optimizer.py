@@ -18,7 +18,7 @@ from zero.inner import check_optimizer, rebuild_optimizer
 from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
-from zero.offload import Placement, check_host_memory, wait_for_copies
+from zero.offload import Placement, check_host_memory, wait_for_copies, warn_unfused_host_step
 from zero.ownership import check_model, claim_parameters
 from zero.partition import build_partition
 from zero.precision import DTYPES, cast_inputs, check_device_supports, full_precision_parameters
@@ -125,6 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             materialize(model, meta, slots, init_fn, self._init_device)
         self._cast_unmanaged_parameters()
         self._inner = rebuild_optimizer(optimizer, self.buckets)
+        if offload.optimizer_on_host:
+            warn_unfused_host_step(self._inner)
         self._pieces_in_model_order = sorted(
             (p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start)
         )

@@ -11,15 +11,18 @@ import zero.offload
 from tests.toy import Net, batch
 from zero import ZeroConfig, ZeroOptimizer
 
+pytestmark = pytest.mark.filterwarnings("ignore:offloaded AdamW")  # the hint tested at the end
 PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype": "fp16"}}
 
 
-def train(stage: int, offload: dict, precision: dict, steps: int = 4) -> tuple[torch.Tensor, ZeroOptimizer]:
+def train(
+    stage: int, offload: dict, precision: dict, steps: int = 4, **adamw
+) -> tuple[torch.Tensor, ZeroOptimizer]:
     """AdamW with ``no_sync`` accumulation and clipping; the whole parameters (in fp32) afterwards."""
     model = Net()
     opt = ZeroOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), model, stage=stage, offload=offload,
-        precision=precision, bucket_size_mb=1e-4,
+        torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, **adamw), model, stage=stage,
+        offload=offload, precision=precision, bucket_size_mb=1e-4,
     )
     for step in range(steps):
         with opt.no_sync():
@@ -80,3 +83,13 @@ def test_bad_offload_input_is_refused_naming_the_cause(monkeypatch):
 
 def test_host_memory_is_known_here():
     assert zero.offload.available_host_bytes() > 0
+
+
+def test_an_unfused_host_adam_is_pointed_to_the_fused_kernel():
+    """The fused CPU kernel runs at bandwidth (benchmarks/optimizer_step.py); it rounds about 1 ulp apart."""
+    model = Net()
+    with pytest.warns(UserWarning, match="fused=True"):
+        ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2, offload={"optimizer": "cpu"})
+    expected, _ = train(2, {}, {})
+    got, _ = train(2, {"optimizer": "cpu"}, {}, fused=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

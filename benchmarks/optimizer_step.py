@@ -1,0 +1,103 @@
+"""The host (CPU) AdamW step against the memory-bandwidth limit, measured in one run.
+
+An AdamW step over fp32 tensors reads the parameter, gradient, m and v and writes the
+parameter, m and v: 28 bytes per element at the least. The limit is ``28 * numel / bandwidth``,
+where the bandwidth is measured here, in the same run, by a large in-place ``a += b`` (12 bytes per
+element: two reads, one write). Contenders, each on its own copy of the same data, interleaved
+(every round runs each once, the order rotating):
+
+* ``adamw``        -- ``torch.optim.AdamW`` with its defaults (foreach on CPU when available)
+* ``adamw-single`` -- ``foreach=False``: one tensor at a time
+* ``adamw-fused``  -- ``fused=True`` (CPU fused kernel, torch >= 2.4)
+* ``ds-cpu-adam``  -- DeepSpeed's ``DeepSpeedCPUAdam``, if installed (its op builds on first use)
+
+The offloaded step of ``ZeroOptimizer`` runs the wrapped ``torch.optim`` optimizer on the host
+master shard (``zero.offload``), so these are its figures: pick ``fused=True`` when it is
+the fastest here. Run::
+
+    python benchmarks/optimizer_step.py [--numel 50_000_000] [--rounds 7] [--threads N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def bandwidth(numel: int, rounds: int) -> float:
+    """Bytes per second of a large in-place add (2 reads + 1 write of fp32)."""
+    a, b = torch.rand(numel), torch.rand(numel)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        a += b
+        times.append(time.perf_counter() - start)
+    return 12 * numel / statistics.median(times)
+
+
+def contenders(numel: int) -> dict:
+    kinds = {
+        "adamw": {},
+        "adamw-single": {"foreach": False},
+        "adamw-fused": {"fused": True},
+    }
+    out = {}
+    for name, kwargs in kinds.items():
+        p = torch.zeros(numel, requires_grad=True)
+        p.grad = torch.rand(numel)
+        try:
+            out[name] = (torch.optim.AdamW([p], lr=1e-3, **kwargs), p)
+        except (RuntimeError, ValueError) as err:  # e.g. no fused CPU kernel in this torch
+            print(f"{name}: unavailable ({err})")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        p = torch.zeros(numel, requires_grad=True)
+        p.grad = torch.rand(numel)
+        out["ds-cpu-adam"] = (DeepSpeedCPUAdam([p], lr=1e-3), p)
+    except Exception as err:  # not installed, or its op does not build here
+        print(f"ds-cpu-adam: unavailable ({type(err).__name__})")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=50_000_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = contenders(args.numel)
+    for opt, _ in steps.values():  # first step allocates m and v
+        opt.step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    bws = []
+    names = list(steps)
+    for r in range(args.rounds):
+        bws.append(bandwidth(args.numel, 1))
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            steps[name][0].step()
+            times[name].append(time.perf_counter() - start)
+    bw = statistics.median(bws)
+    limit = 28 * args.numel / bw
+    print(f"{args.numel:,} fp32 elements, {torch.get_num_threads()} threads; bandwidth {bw / 1e9:.2f} GB/s "
+          f"(in-place add), limit {limit * 1e3:.1f} ms per step")
+    result = {"numel": args.numel, "threads": torch.get_num_threads(), "bandwidth": bw, "limit_s": limit, "steps": {}}
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        result["steps"][name] = {"median_s": t, "ratio_to_limit": t / limit}
+        print(f"  {name:14s} {t * 1e3:8.1f} ms   {t / limit:5.2f} x limit")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

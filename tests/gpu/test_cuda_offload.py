@@ -1,0 +1,44 @@
+"""CPU offload from a GPU (NCCL, world size 1): the same numbers as without offload, and less GPU memory.
+Skipped without CUDA. (The host step runs torch's CPU AdamW kernels, the device step its CUDA ones: they
+may round differently, hence a tolerance instead of bit equality.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero import ZeroOptimizer
+from zero.models import GPT, GPTConfig, synthetic_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
+
+
+def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    model = GPT(CFG).cuda()
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage, offload=offload,
+        precision={"param_dtype": "bf16"},
+    )
+    for step in range(4):
+        x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
+        opt.backward(model.loss(x, y))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    pieces = sorted((p for b in opt.buckets for p in b.pieces), key=lambda p: p.slot.order)
+    return torch.cat([p.tensor.detach().cpu() for p in pieces]), held
+
+
+@pytest.mark.parametrize("stage,what", [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")])
+def test_cuda_offload_matches_and_frees_the_gpu(nccl_world_of_one, stage, what):
+    expected, on_gpu = _train(stage, {})
+    got, with_offload = _train(stage, {what: "cpu"})
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert with_offload < on_gpu / 2  # master, m and v (12 of 16 bytes per parameter) left the GPU
