@@ -181,10 +181,10 @@ class Bucket:
         in buffers of its own even when the model is on the CPU too."""
         return self.placement.master_device is not None
 
-    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True) -> FlatBuffer:
-        """A chunk-sized buffer on the optimizer's side (host memory when offloaded: pinned with a GPU,
-        and then always allocated)."""
-        pin = self.placement.pin and self.offloaded
+    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True, pin: bool = True) -> FlatBuffer:
+        """A chunk-sized buffer on the optimizer's side: host memory when offloaded (with ``pin`` and a GPU
+        pinned, and then always allocated)."""
+        pin = pin and self.placement.pin and self.offloaded
         return FlatBuffer(self.layout.chunk_numel, dtype, self.master_device, allocate=allocate, pin=pin)
 
     def push_master(self) -> None:
@@ -294,7 +294,7 @@ class Bucket:
             ("optimizer_state", "optimizer_state", "master weights" + host, self.master_buffer),
             ("gradients", "gradients", "buckets", self.grad_buffer),
             ("gradients", "communication", "reduce-scatter", staging),  # exists only for the collective
-            ("gradients", "gradients", "shard", self.grad_shard_buffer),
+            ("gradients", "gradients", "shard" + host, self.grad_shard_buffer),
             ("gradients", "gradients", "carried", self.grad_carry),
             ("gradients", "gradients", "master" + host, self.master_grad),
         ]

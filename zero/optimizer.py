@@ -403,10 +403,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
         for name, p in self.partition.frozen:
             yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
+        host = " (host)" if self.config.offload.optimizer_on_host else ""
         for state in self._inner.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    yield "optimizer_state", MemoryItem("optimizer_state", key, value)
+                    yield "optimizer_state", MemoryItem("optimizer_state", key + host, value)
 
     # ----- helpers ------------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ import torch
 from tests.distributed.precision_world import masters_of
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
-from zero.models import local_slice
+from zero.memory import storage_bytes
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 CASES = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")]
 PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}}
@@ -30,10 +31,35 @@ def run(rank: int, world_size: int, stage: int, offload: dict, precision: dict) 
     return masters_of(opt)
 
 
-def offload_checks(rank: int, world_size: int) -> dict:
-    """Per (stage, offloaded buffers, precision): (with offload, without)."""
+def split_memory(rank: int, world_size: int, stage: int, what: str) -> dict:
+    """Model-state bytes on the compute side and on the host after one bf16 step (bf16 reduction: the
+    ZeRO paper's buffers), as the optimizer names them (host buffers end in "(host)")."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
+    model = GPT(cfg)
+    opt = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), fused=True), model, stage=stage, offload={what: "cpu"},
+        precision={"param_dtype": "bf16", "reduce_dtype": "bf16"}, bucket_size_mb=0.01,
+    )
+    x, y = synthetic_batch(0, 6, cfg)
+    opt.backward(model.loss(local_slice(x, rank, world_size), local_slice(y, rank, world_size)))
+    opt.step()
+    items = opt.named_memory()
     return {
-        (stage, what, name): (run(rank, world_size, stage, {what: "cpu"}, p), run(rank, world_size, stage, {}, p))
-        for stage, what in CASES
-        for name, p in PRECISIONS.items()
+        "compute": storage_bytes(i.tensor for i in items if not i.label.endswith("(host)")),
+        "host": storage_bytes(i.tensor for i in items if i.label.endswith("(host)")),
+        "numel": opt.partition.numel,
+        "padded_numel": opt.partition.padded_numel,
+    }
+
+
+def offload_checks(rank: int, world_size: int) -> dict:
+    """Per (stage, offloaded buffers, precision): (with offload, without); and the memory split."""
+    return {
+        "parity": {
+            (stage, what, name): (run(rank, world_size, stage, {what: "cpu"}, p), run(rank, world_size, stage, {}, p))
+            for stage, what in CASES
+            for name, p in PRECISIONS.items()
+        },
+        "memory": {(stage, what): split_memory(rank, world_size, stage, what) for stage, what in CASES},
     }

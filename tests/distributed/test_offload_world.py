@@ -13,6 +13,25 @@ from tests.distributed.offload_world import CASES, PRECISIONS
 def test_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
     _, results = world
     for rank, result in enumerate(results):
-        offloaded, on_device = result["offload"][(stage, what, precision)]
+        offloaded, on_device = result["offload"]["parity"][(stage, what, precision)]
         assert torch.equal(offloaded, on_device), f"rank {rank}"
         assert torch.isfinite(offloaded).all()
+
+
+@pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))
+def test_offload_moves_the_optimizer_side_to_the_host(world, stage, what):
+    """bf16 parameters, gradients and reduction; per rank, after a step: the host holds the fp32 master
+    and Adam's m and v (12Ψ/N), and at stages 2-3 the bf16 gradient shard, which goes down as each
+    reduction completes (2Ψ/N; the step's fp32 copy of it is released after the step); the compute
+    side keeps the bf16 parameters (stage 1 also its bf16 gradient buffer, reduced in place; stage 3
+    its parameter shard, or with offloaded parameters nothing but one-element placeholders)."""
+    world_size, results = world
+    for rank, result in enumerate(results):
+        mem = result["offload"]["memory"][(stage, what)]
+        psi, p, n = mem["numel"], mem["padded_numel"], world_size
+        compute = {1: 4 * p, 2: 2 * p, 3: 2 * p / n}[stage]
+        host = (12 if stage == 1 else 14) * p / n
+        if what == "params":
+            compute, host = 0, host + 2 * p / n  # the bf16 parameter shard moved too
+        assert psi * compute / p <= mem["compute"] <= 1.01 * compute + 64, (rank, mem)
+        assert psi * host / p <= mem["host"] <= 1.01 * host + 64, (rank, mem)

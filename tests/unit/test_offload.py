@@ -45,8 +45,13 @@ def test_offload_changes_no_number(stage, what, precision):
     got, opt = train(stage, {what: "cpu"}, PRECISIONS[precision])
     assert torch.equal(got, expected)
     labels = {item.label for b in opt.partition.trainable_buckets for _, item in b.roles()}
-    assert {"master weights (host)", "master (host)"} <= labels
-    assert ("shard (host)" in labels) == (what == "params")
+    assert "master weights (host)" in labels
+    assert labels & {"master (host)", "shard (host)"}  # the optimizer's gradients are on the host
+    params = {i.label for b in opt.partition.trainable_buckets for k, i in b.roles() if k == "parameters"}
+    assert ("shard (host)" in params) == (what == "params")
+    grads = {i.label for b in opt.partition.trainable_buckets for k, i in b.roles() if k == "gradients"}
+    staged = stage >= 2 or precision != "fp32"  # mixed stage 1 reduces in fp32 apart from its bf16 buffer
+    assert ("shard (host)" in grads) == staged  # a staged reduction's chunk goes straight to the host
     for state in opt.inner.state.values():  # the wrapped optimizer's state lives with the master weights
         assert all(v.device.type == "cpu" for v in state.values() if isinstance(v, torch.Tensor))
     assert all(b.master_buffer is not None for b in opt.partition.trainable_buckets)

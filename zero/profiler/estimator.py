@@ -269,8 +269,8 @@ def estimate(
     optimizer_state, host, notes = states.optimizer_state, 0.0, []
     if offload and stage == 0:
         raise ValueError("offload needs stage 1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
-    if offload:  # zero.offload: fp32 master, its fp32 gradient copy and the optimizer state, this rank's chunk
-        host = (max(prec.master, 4) + prec.optimizer + 4) * traced.numel / world_size
+    if offload:  # zero.offload: fp32 master, the optimizer state and the reduced gradient shard, per chunk
+        host = (max(prec.master, 4) + prec.optimizer + prec.reduced) * traced.numel / world_size
         optimizer_state = 0.0
     common = dict(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,

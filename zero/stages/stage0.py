@@ -132,7 +132,8 @@ def zero_local_grads(bucket: Bucket) -> None:
 
 
 def init_master_grad(bucket: Bucket) -> None:
-    """A separate buffer for the optimizer's gradients when the gradient shard's dtype or device is not the
-    master's."""
-    if bucket.dtypes.reduce != bucket.dtypes.master or bucket.offloaded:
+    """A separate buffer for the optimizer's gradients when the gradient shard's dtype is not the master's,
+    or when the optimizer side is offloaded and the shard is not there already."""
+    device_shard = bucket.grad_shard_buffer is None  # a chunk of the device's gradient buffer
+    if bucket.dtypes.reduce != bucket.dtypes.master or (bucket.offloaded and device_shard):
         bucket.master_grad = bucket.optimizer_side_buffer(bucket.dtypes.master, allocate=False)

@@ -37,9 +37,11 @@ class StagedReduction:
     mixed into says where the local gradients are (:meth:`local_grad`, :meth:`release_local`)."""
 
     def init_staged(self, bucket: Bucket) -> None:
+        """Staging on the device; the gradient shard on the optimizer's side (host memory when offloaded:
+        each reduced chunk goes down as soon as its collective completes)."""
         device = bucket.param_buffer.data.device
         bucket.staging = FlatBuffer(bucket.layout.padded_numel, bucket.dtypes.reduce, device, allocate=False)
-        bucket.grad_shard_buffer = FlatBuffer(bucket.layout.chunk_numel, bucket.dtypes.reduce, device, allocate=False)
+        bucket.grad_shard_buffer = bucket.optimizer_side_buffer(bucket.dtypes.reduce, allocate=False, pin=False)
         bucket.grad_shard = bucket.grad_shard_buffer.data
         init_master_grad(bucket)
 
@@ -78,7 +80,7 @@ class StagedReduction:
 
     def finish_reduce(self, bucket: Bucket) -> None:
         """Add the averaged chunk into the persistent shard and release the full buffer."""
-        reduced = bucket.chunk_of(bucket.staging)
+        reduced = bucket.chunk_of(bucket.staging).to(bucket.grad_shard.device)  # offload: to the host
         if bucket.grad_shard_buffer.is_allocated:  # a later pass before step(): accumulate
             bucket.grad_shard.add_(reduced)
         else:  # first pass since zero_grad(): one copy instead of zero-fill + add
