@@ -3,9 +3,11 @@ memory check made before anything is allocated.
 
 With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
 memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
-optimizer's state (created on the master's device by ``torch.optim``). The reduced gradient shard
-is copied down at the step, the step runs on the host, and each bucket's updated master is cast
-back into the device's low-precision parameters. With ``params="cpu"`` (stage 3) each rank's
+optimizer's state (created on the master's device by ``torch.optim``). Where the reduction is staged
+(stages 2-3, and mixed stage 1) each reduced chunk goes down to a host gradient shard as soon as its
+collective completes; stage 1, which reduces its gradient buffer in place, copies its chunk down at
+the step. The step runs on the host, and each bucket's updated master is cast back into the
+device's low-precision parameters. With ``params="cpu"`` (stage 3) each rank's
 parameter shard lives in host memory too and is copied up for its unit's all-gather; it implies
 optimizer offload (the master shard is then a host buffer whatever the dtypes).
 
