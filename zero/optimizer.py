@@ -211,9 +211,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer.require_reduced("clip_grad_norm_()")
         grads = self._master_grads()
         norm_type = float(norm_type)
-        # Per-tensor norms, then the norm of the norms, in fp32 and model order: the same
-        # arithmetic as torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        # Per-tensor norms (one multi-tensor kernel per device and dtype), then the norm of the norms, in
+        # model order: the arithmetic of torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
+        norms = [n for group in _by_device_and_dtype(grads) for n in torch._foreach_norm(group, norm_type)]
+        norms = [norms[i] for i in _group_order(grads)]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else self._no_norm()
         total = total.to(self.comm.device)  # offload: the gradients (and their norm) are on the host
         if self.zero_stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
@@ -227,8 +228,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+        for group in _by_device_and_dtype(grads):
+            torch._foreach_mul_(group, coef.to(group[0].device, group[0].dtype))
         return total
 
     @torch.no_grad()
@@ -528,6 +529,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optimizer=self._inner,
             precision=self.config.precision.model_dump(include={"param_dtype", "reduce_dtype"}),
         )
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (device, dtype), each group in order (multi-tensor kernels take one kind)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _group_order(tensors: list[torch.Tensor]) -> list[int]:
+    """For each of ``tensors``, its position in the concatenation of :func:`_by_device_and_dtype`'s groups."""
+    keys: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        keys.setdefault((t.device, t.dtype), []).append(i)
+    flat = [i for group in keys.values() for i in group]
+    position = {i: p for p, i in enumerate(flat)}
+    return [position[i] for i in range(len(tensors))]
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
