@@ -14,6 +14,7 @@ from zero import checkpoint
 from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
+from zero.grad_norm import local_norm, scale_
 from zero.inner import check_optimizer, rebuild_optimizer
 from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
@@ -211,12 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer.require_reduced("clip_grad_norm_()")
         grads = self._master_grads()
         norm_type = float(norm_type)
-        # Per-tensor norms (one multi-tensor kernel per device and dtype), then the norm of the norms, in
-        # model order: the arithmetic of torch.nn.utils.clip_grad_norm_, so unsharded runs match it bit for bit.
-        norms = [n for group in _by_device_and_dtype(grads) for n in torch._foreach_norm(group, norm_type)]
-        norms = [norms[i] for i in _group_order(grads)]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else self._no_norm()
-        total = total.to(self.comm.device)  # offload: the gradients (and their norm) are on the host
+        total = local_norm(grads, norm_type, self.comm.device)  # offload: computed on the host, moved
         if self.zero_stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
             what = "all-reduce of the gradient norm"
             if norm_type == math.inf:
@@ -227,9 +223,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 total = partial.pow(1.0 / norm_type).to(torch.float32)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in _by_device_and_dtype(grads):
-            torch._foreach_mul_(group, coef.to(group[0].device, group[0].dtype))
+        scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     @torch.no_grad()
@@ -416,10 +410,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's reduced gradient pieces of parameters that have a gradient, in model order."""
         return [p.slot.bucket.grad_piece(p) for p in self._pieces_in_model_order if p.slot.used_anywhere]
 
-    def _no_norm(self) -> torch.Tensor:
-        """The norm of no gradient at all (no piece of a parameter with a gradient falls in this shard)."""
-        return torch.zeros((), device=self.comm.device)
-
     def _check_model(self) -> None:
         """As each backward pass starts and before a step: see :func:`zero.ownership.check_model`."""
         check_model(self.module, self.buckets, whole=self._gatherer is None)
@@ -529,24 +519,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optimizer=self._inner,
             precision=self.config.precision.model_dump(include={"param_dtype", "reduce_dtype"}),
         )
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by (device, dtype), each group in order (multi-tensor kernels take one kind)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
-
-
-def _group_order(tensors: list[torch.Tensor]) -> list[int]:
-    """For each of ``tensors``, its position in the concatenation of :func:`_by_device_and_dtype`'s groups."""
-    keys: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        keys.setdefault((t.device, t.dtype), []).append(i)
-    flat = [i for group in keys.values() for i in group]
-    position = {i: p for p, i in enumerate(flat)}
-    return [position[i] for i in range(len(tensors))]
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
