@@ -22,7 +22,13 @@ from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.offload import Placement, check_host_memory, wait_for_copies, warn_unfused_host_step
 from zero.ownership import check_model, claim_parameters
 from zero.partition import build_partition
-from zero.precision import DTYPES, cast_inputs, check_device_supports, full_precision_parameters
+from zero.precision import (
+    DTYPES,
+    cast_inputs,
+    cast_unmanaged_parameters,
+    check_device_supports,
+    full_precision_parameters,
+)
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
@@ -99,7 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.config.sync_module_states:
             self._broadcast_module_states(skip=meta)
         num_shards = self.zero_stage.num_shards(self.comm.world_size)
-        self._full_precision = full_precision_parameters(model) if precision.enabled else set()
+        full = full_precision_parameters(model) if precision.enabled else set()
         offload = self.config.offload
         trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
         param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
@@ -112,7 +118,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shard_index=self.comm.rank if num_shards > 1 else 0,
             plan=self._unit_plan(),
             device=self._init_device,
-            dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in self._full_precision),
+            dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
             placement=Placement.of(offload, self.comm.device),
         )
         claim_parameters(self, self.buckets)
@@ -124,7 +130,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if meta:
             slots = {slot.param: slot for bucket in self.buckets for slot in bucket.slots}
             materialize(model, meta, slots, init_fn, self._init_device)
-        self._cast_unmanaged_parameters()
+        managed = {slot.param for bucket in self.buckets for slot in bucket.slots}
+        cast_unmanaged_parameters(model, precision, keep=managed | full)
         self._inner = rebuild_optimizer(optimizer, self.buckets)
         if offload.optimizer_on_host:
             warn_unfused_host_step(self._inner)
@@ -429,19 +436,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._release_master_grads()
 
     def _cast_forward_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Cast the root forward's floating-point inputs to ``param_dtype``; first check the model (a cast
+        after wrapping would otherwise surface as torch's dtype mismatch, not as our error naming the fix)."""
+        self._check_model()
         dtype = DTYPES[self.config.precision.param_dtype]
         return cast_inputs(dtype, args), cast_inputs(dtype, kwargs)
-
-    def _cast_unmanaged_parameters(self) -> None:
-        """Mixed precision: the model's floating-point parameters left whole outside the buckets (frozen ones
-        at stages 0-2) compute in ``param_dtype`` too (a one-time cast: nothing updates them)."""
-        if not self.config.precision.enabled:
-            return
-        dtype = DTYPES[self.config.precision.param_dtype]
-        managed = {id(slot.param) for bucket in self.buckets for slot in bucket.slots}
-        for p in self.module.parameters():
-            if id(p) not in managed and p not in self._full_precision and p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
 
     def _master_grads(self) -> list[torch.Tensor]:
         """The optimizer's gradients for this step, made once per step (so that clipping them is what the

@@ -176,6 +176,18 @@ def full_precision_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]
     return kept
 
 
+def cast_unmanaged_parameters(model: torch.nn.Module, policy: MixedPrecision, keep: set[torch.nn.Parameter]) -> None:
+    """Cast the model's floating-point parameters not in ``keep`` (those the buckets manage, and those of
+    :func:`full_precision_parameters`) to ``param_dtype``: frozen parameters kept whole at stages 0-2
+    compute in it too (a one-time cast: nothing updates them)."""
+    if policy.param_dtype is None:
+        return
+    dtype = DTYPES[policy.param_dtype]
+    for p in model.parameters():
+        if p not in keep and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 def check_device_supports(policy: MixedPrecision, device: torch.device) -> None:
     """Raise if ``device`` cannot compute in ``policy.param_dtype`` (a tiny matmul is tried)."""
     if policy.param_dtype is None:

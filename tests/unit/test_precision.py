@@ -317,3 +317,33 @@ def test_meta_init_makes_fp32_masters_equal_to_a_normal_build():
     assert torch.equal(master_weights(opt), normal)
     with opt.gathered_parameters():
         assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), normal.bfloat16())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_user_paths_under_bf16(stage):
+    """Two backward passes per step without no_sync() and model.zero_grad() (Trainer's way): bit-identical
+    to the recipe doing the same (with a bf16 reduction, gradients add in bf16 as p.grad does); torch's own
+    clip and a cast after wrapping are loud errors."""
+    r = MasterRecipe(Net(), torch.bfloat16, _adamw)
+    for step in range(3):
+        for half in (0, 1):
+            (r.low(batch(10 * half + step).bfloat16(), step % 2 == 1) / 2).backward()
+        r.grads_to_master()
+        r.step()
+    model = Net()
+    policy = {"param_dtype": "bf16", "reduce_dtype": "bf16"}
+    opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=policy, bucket_size_mb=1e-4)
+    for step in range(3):
+        for half in (0, 1):
+            opt.backward(model(batch(10 * half + step), step % 2 == 1) / 2)
+        opt.step()
+        model.zero_grad()
+    assert torch.equal(master_weights(opt), r.flat())
+
+    opt.backward(model(batch(0)))
+    with pytest.raises(RuntimeError, match="clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.zero_grad()
+    with pytest.raises((RuntimeError, ValueError), match="after ZeroOptimizer wrapped|after wrapping"):
+        model.float()  # refused at the call (stage 3) or as the next forward starts
+        model(batch(0))
