@@ -181,17 +181,24 @@ class Bucket:
         in buffers of its own even when the model is on the CPU too."""
         return self.placement.master_device is not None
 
-    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True, pin: bool = True) -> FlatBuffer:
-        """A chunk-sized buffer on the optimizer's side: host memory when offloaded (with ``pin`` and a GPU
-        pinned, and then always allocated)."""
-        pin = pin and self.placement.pin and self.offloaded
+    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True) -> FlatBuffer:
+        """A chunk-sized buffer on the optimizer's side: host memory when offloaded (pinned with a GPU)."""
+        pin = self.placement.pin and self.offloaded
         return FlatBuffer(self.layout.chunk_numel, dtype, self.master_device, allocate=allocate, pin=pin)
 
     def push_master(self) -> None:
-        """Cast the master chunk into this rank's chunk of the parameters (after a step or a load)."""
-        if self.master_buffer is not None:
-            with torch.no_grad():
-                self.shard.copy_(self.master_buffer.data)
+        """Cast the master chunk into this rank's chunk of the parameters (after a step or a load). Offloaded
+        to a GPU: cast on the host into pinned memory, then one asynchronous copy up."""
+        if self.master_buffer is None:
+            return
+        master, shard = self.master_buffer.data, self.shard
+        with torch.no_grad():
+            if master.device == shard.device:
+                shard.copy_(master)
+            else:
+                low = torch.empty(master.shape, dtype=shard.dtype, pin_memory=self.placement.pin)
+                low.copy_(master)
+                shard.copy_(low, non_blocking=self.placement.pin)  # the host allocator keeps ``low`` until done
 
     def adopt_edits(self) -> None:
         """Take into the master chunk the elements of this rank's parameter chunk that differ from it cast
@@ -218,7 +225,7 @@ class Bucket:
             target.mul_(inv_scale)
 
     def release_master_grads(self) -> None:
-        if self.master_grad is not None and not self.master_grad.pinned:
+        if self.master_grad is not None:
             self.master_grad.free()
 
     # ----- views ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, m
 
 from zero.offload import Offload
 from zero.precision import MixedPrecision
+from zero.stepper import StepKernel
 
 SUPPORTED_STAGES = (0, 1, 2, 3)
 MAX_MB = 2.0**20  # 1 TiB: above any real bucket or unit
@@ -92,6 +93,13 @@ class ZeroConfig(BaseModel):
         description="CPU offload (zero.Offload, or a mapping): {'optimizer': 'cpu'} keeps the fp32 master shard, "
         "the optimizer's gradients and state in host memory and steps there (stages 1-3); {'params': 'cpu'} "
         "also keeps stage 3's parameter shards there. Default: nothing offloaded.",
+    )
+
+    step_kernel: StepKernel = Field(
+        "auto",
+        description="The optimizer step's kernel for mixed-precision Adam/AdamW on the device: 'triton' (one pass "
+        "that also writes the bf16 parameters), 'torch' (the wrapped optimizer), or 'auto': Triton on CUDA where "
+        "it is installed and applies, else torch. See zero.stepper.",
     )
 
     unit_classes: Optional[tuple[StrictStr, ...]] = Field(

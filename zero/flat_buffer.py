@@ -5,6 +5,9 @@ Views handed out earlier (parameter ``.data``, gradient views, optimizer pieces)
 keep pointing at the same storage object, so they become valid again, without
 being re-created, as soon as ``allocate()`` resizes the storage back. Autograd's
 saved references to such views stay valid for the same reason (FSDP2 relies on it).
+
+Pinned host buffers (CPU offload with a GPU) keep their bytes: page-locking is slow to set up and
+limited, so ``free()`` only marks them unallocated (``is_allocated``), and ``allocate()`` takes them back.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ class FlatBuffer:
         self.numel = numel
         self.dtype = dtype
         self.pinned = pin
-        if pin:  # page-locked host memory (for asynchronous copies to a GPU): always allocated
+        if pin:  # page-locked host memory (for asynchronous copies to a GPU): its bytes are kept
             self.data = host_buffer(numel, dtype, pin=True)
+            self._live = allocate
             return
         self.data = torch.empty(numel, dtype=dtype, device=device)  # 1D
         if allocate:
@@ -38,18 +42,25 @@ class FlatBuffer:
 
     @property
     def is_allocated(self) -> bool:
+        if self.pinned:
+            return self._live
         return self.data.untyped_storage().size() > 0
 
     def allocate(self, zero: bool = True) -> None:
         """Give the storage back its bytes (a no-op when already allocated)."""
         if not self.is_allocated:
-            self.data.untyped_storage().resize_(self.nbytes)
+            if self.pinned:
+                self._live = True
+            else:
+                self.data.untyped_storage().resize_(self.nbytes)
             if zero:
                 self.data.zero_()
 
     def free(self) -> None:
-        """Release the storage's bytes; views stay attached to the (empty) storage."""
-        assert not self.pinned, "pinned host buffers stay allocated"
+        """Release the storage's bytes (pinned: mark them unused); views stay attached to the storage."""
+        if self.pinned:
+            self._live = False
+            return
         self.data.untyped_storage().resize_(0)
 
     def disown(self) -> None:

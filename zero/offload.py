@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -99,6 +99,32 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         ) from err
 
 
+class HostCopies:
+    """Copies of reduced gradient chunks from the device down to host memory. On CUDA each one runs on
+    a side stream once the work queued so far (the collective that produced the chunk) is done, so
+    backward goes on while it lands; :meth:`wait` before the host reads. Elsewhere a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None or src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=dst.is_pinned())
+        src.record_stream(self.stream)  # its memory is not reused before the copy has read it
+
+    def wait(self) -> None:
+        """Every copy to or from pinned host memory queued so far has landed."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.stream is not None:
+                self.stream.synchronize()
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a bucket's buffers live beyond its device (``None``: on the device)."""
@@ -106,6 +132,7 @@ class Placement:
     master_device: torch.device | None = None  # the optimizer's side: master, its gradients, the step
     shard_device: torch.device | None = None  # stage 3's parameter shard
     pin: bool = False  # host buffers pinned (a GPU is present)
+    copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down
 
     @classmethod
     def of(cls, offload: Offload, device: torch.device) -> "Placement":
@@ -114,13 +141,20 @@ class Placement:
             master_device=HOST if offload.optimizer_on_host else None,
             shard_device=HOST if offload.params_on_host else None,
             pin=pin,
+            copies=HostCopies(device) if offload.optimizer_on_host else None,
         )
 
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)``, overlapped with later device work where it can be (:class:`HostCopies`)."""
+        if self.copies is None:
+            dst.copy_(src)
+        else:
+            self.copies.copy_down(dst, src)
 
-def wait_for_copies(device: torch.device) -> None:
-    """Asynchronous copies between ``device`` and pinned host memory have landed."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    def wait(self) -> None:
+        """The host may read what was copied down (and the device what was copied up)."""
+        if self.copies is not None:
+            self.copies.wait()
 
 
 def warn_unfused_host_step(optimizer: torch.optim.Optimizer) -> None:

@@ -14,12 +14,12 @@ from zero import checkpoint
 from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
-from zero.grad_norm import local_norm, scale_
+from zero.kernels.grad_norm import local_norm, scale_
 from zero.inner import check_optimizer, rebuild_optimizer
 from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
-from zero.offload import Placement, check_host_memory, wait_for_copies, warn_unfused_host_step
+from zero.offload import Placement, check_host_memory, warn_unfused_host_step
 from zero.ownership import check_model, claim_parameters
 from zero.partition import build_partition
 from zero.precision import (
@@ -30,6 +30,7 @@ from zero.precision import (
     full_precision_parameters,
 )
 from zero.stages import Stage3, make_stage
+from zero.stepper import BucketStepper
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
 from zero.units import plan_units
@@ -110,6 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
         param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
         check_host_memory(offload, -(-trainable // num_shards), param_bytes)
+        self._placement = Placement.of(offload, self.comm.device)
         self.partition = build_partition(
             optimizer,
             model,
@@ -119,7 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan=self._unit_plan(),
             device=self._init_device,
             dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
-            placement=Placement.of(offload, self.comm.device),
+            placement=self._placement,
         )
         claim_parameters(self, self.buckets)
         for bucket in self.buckets:
@@ -133,6 +135,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         managed = {slot.param for bucket in self.buckets for slot in bucket.slots}
         cast_unmanaged_parameters(model, precision, keep=managed | full)
         self._inner = rebuild_optimizer(optimizer, self.buckets)
+        self._stepper = BucketStepper(self._inner, self.partition.trainable_buckets, self.config.step_kernel)
         if offload.optimizer_on_host:
             warn_unfused_host_step(self._inner)
         self._pieces_in_model_order = sorted(
@@ -256,16 +259,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for bucket in buckets:
             bucket.adopt_edits()
         self._master_grads()
-        skip = self.loss_scaler is not None and self.loss_scaler.found_inf
-        if not skip:
+        handles = []
+        if self.loss_scaler is not None and self.loss_scaler.found_inf:  # skip the step
             for bucket in buckets:
-                for piece in bucket.pieces:
-                    piece.tensor.grad = bucket.grad_piece(piece) if piece.slot.used_anywhere else None
-            self._inner.step()
+                bucket.push_master()
+        else:
+            for bucket in buckets:  # each bucket's parameters are shared while the next one steps
+                self._stepper.step(bucket)
+                handles.append(self.zero_stage.gather_params(bucket, self.comm))
         self._release_master_grads()
-        for bucket in buckets:
-            bucket.push_master()
-        handles = [] if skip else [self.zero_stage.gather_params(bucket, self.comm) for bucket in buckets]
         for handle in handles:
             if handle is not None:
                 handle.wait()
@@ -450,7 +452,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
             for bucket in self.partition.trainable_buckets:
                 bucket.make_master_grads(inv_scale)
-            wait_for_copies(self.comm.device)  # offload: the gradients copied down have landed
+            self._placement.wait()  # offload: the gradients copied down have landed
             self._grads_prepared = True
         return self._local_grads()
 

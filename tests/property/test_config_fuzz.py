@@ -25,7 +25,8 @@ INT_BOUNDS = {"stage": (0, 3), "max_in_flight_buckets": (1, 2**16), "prefetch_un
 FLOAT_BOUNDS = {"bucket_size_mb": (0.0, 2.0**20), "unit_size_mb": (0.0, 2.0**20), "timeout_s": (0.001, 604800.0)}
 OPEN_BELOW = {"bucket_size_mb", "unit_size_mb"}  # > 0 rather than >= the lower bound
 BOOLS = ("sync_module_states", "reshard_after_forward", "force_collectives")
-FIELDS = (*INT_BOUNDS, *FLOAT_BOUNDS, *BOOLS, "unit_classes")
+CHOICES = {"step_kernel": ("auto", "torch", "triton")}
+FIELDS = (*INT_BOUNDS, *FLOAT_BOUNDS, *BOOLS, *CHOICES, "unit_classes")
 CLASS_NAMES = ("Stack", "Linear", "ModuleList", "ModuleDict", "Block", "", " Linear", "a.B", "Linear2", "é")
 STACK_CLASSES = {"Stack", "Linear", "ModuleList"}  # type(m).__name__ for m in Stack().modules()
 
@@ -64,6 +65,8 @@ def field_ok(field: str, value) -> bool:
         return number_ok(value, *FLOAT_BOUNDS[field], integer=False, open_below=field in OPEN_BELOW)
     if field in BOOLS:
         return isinstance(value, bool)
+    if field in CHOICES:
+        return isinstance(value, str) and value in CHOICES[field]
     return classes_ok(value)
 
 
@@ -82,6 +85,7 @@ anything = st.one_of(
     st.floats(min_value=0, max_value=0.01),
     edge_floats,
     st.text(max_size=6),
+    st.sampled_from(["auto", "torch", "triton", "Triton", "cuda"]),
     st.lists(st.sampled_from(CLASS_NAMES), max_size=3),
     st.lists(st.one_of(st.none(), st.integers(), st.text(max_size=4)), max_size=2),
     st.tuples(st.sampled_from(CLASS_NAMES)),
@@ -93,6 +97,7 @@ likely_valid = {  # so that many draws get as far as training
     "unit_size_mb": st.one_of(st.none(), st.floats(1e-6, 1.0)),
     "timeout_s": st.floats(0.001, 604800.0),
     **{f: st.booleans() for f in BOOLS},
+    **{f: st.sampled_from(choices) for f, choices in CHOICES.items()},
     "unit_classes": st.one_of(st.none(), st.lists(st.sampled_from(sorted(STACK_CLASSES) + ["Block"]), max_size=3)),
 }
 
@@ -137,6 +142,10 @@ def check(kwargs: dict) -> None:
     names = set(cfg.unit_classes or ())
     if cfg.stage == 3 and cfg.unit_classes is not None and not names & STACK_CLASSES:
         with pytest.raises(ValueError, match="matches no module"):  # model-dependent: checked at construction
+            ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)
+        return
+    if cfg.step_kernel == "triton":  # SGD in fp32 on the CPU: refused at construction
+        with pytest.raises(ValueError, match="step_kernel='triton'"):
             ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)
         return
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)

@@ -41,7 +41,7 @@ class StagedReduction:
         each reduced chunk goes down as soon as its collective completes)."""
         device = bucket.param_buffer.data.device
         bucket.staging = FlatBuffer(bucket.layout.padded_numel, bucket.dtypes.reduce, device, allocate=False)
-        bucket.grad_shard_buffer = bucket.optimizer_side_buffer(bucket.dtypes.reduce, allocate=False, pin=False)
+        bucket.grad_shard_buffer = bucket.optimizer_side_buffer(bucket.dtypes.reduce, allocate=False)
         bucket.grad_shard = bucket.grad_shard_buffer.data
         init_master_grad(bucket)
 
@@ -80,12 +80,12 @@ class StagedReduction:
 
     def finish_reduce(self, bucket: Bucket) -> None:
         """Add the averaged chunk into the persistent shard and release the full buffer."""
-        reduced = bucket.chunk_of(bucket.staging).to(bucket.grad_shard.device)  # offload: to the host
+        reduced = bucket.chunk_of(bucket.staging)
         if bucket.grad_shard_buffer.is_allocated:  # a later pass before step(): accumulate
-            bucket.grad_shard.add_(reduced)
-        else:  # first pass since zero_grad(): one copy instead of zero-fill + add
+            bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
+        else:  # first pass since zero_grad(): one copy instead of zero-fill + add (offload: down to the host)
             bucket.grad_shard_buffer.allocate(zero=False)
-            bucket.grad_shard.copy_(reduced)
+            bucket.placement.copy_down(bucket.grad_shard, reduced)
         bucket.staging.free()
 
     def clear_shard_of(self, bucket: Bucket, slot: ParamSlot) -> None:
