@@ -55,3 +55,38 @@ def settled_live_bytes(baseline: int, held: int) -> int:
             break
         time.sleep(0.05)
     return measured
+
+
+class DelayedRecipe:
+    """ZeRO-Offload's one-step delayed update by hand, on a plain model: each step's gradients are applied
+    (to an fp32 master copy, with the hyperparameters of the step that produced them) at the next step."""
+
+    def __init__(self, model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer]):
+        self.model = model
+        self.master = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        self.opt = make_optimizer(self.master)
+        self.pending: tuple[list, list] | None = None  # (gradients, hyperparameters of each group)
+
+    def step(self) -> None:
+        """Apply the previous step's gradients, then hand over this step's (and clear the model's)."""
+        self.flush()
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        self.pending = ([None if p.grad is None else p.grad.clone() for p in self.model.parameters()], hyper)
+        self.model.zero_grad()
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        grads, hyper = self.pending
+        now = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        for group, h in zip(self.opt.param_groups, hyper):
+            group.update(h)
+        for m, g in zip(self.master, grads):
+            m.grad = g
+        self.opt.step()
+        for group, h in zip(self.opt.param_groups, now):
+            group.update(h)
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.master):
+                p.copy_(m)
+        self.pending = None

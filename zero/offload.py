@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HOST = torch.device("cpu")
 # bytes per element of this rank's chunk held on the host: fp32 master, fp32 gradient, two fp32 moments
@@ -44,6 +44,22 @@ class Offload(BaseModel):
     params: Literal["none", "cpu"] = Field(
         "none", description="'cpu' (stage 3): parameter shards in host memory, copied up for each gather."
     )
+
+    delayed_step: bool = Field(
+        False,
+        strict=True,
+        description="Step the host masters in a background thread during the next forward and backward "
+        "(ZeRO-Offload's one-step delayed update): faster, but not equal to synchronous training (zero.delayed).",
+    )
+
+    @model_validator(mode="after")
+    def _delay_needs_offload(self) -> "Offload":
+        if self.delayed_step and not self.optimizer_on_host:
+            raise ValueError(
+                "offload.delayed_step=True hides the host step behind the next forward, so it needs the optimizer "
+                "offloaded: set offload.optimizer='cpu' too"
+            )
+        return self
 
     @property
     def optimizer_on_host(self) -> bool:

@@ -14,6 +14,7 @@ from zero import checkpoint
 from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
+from zero.delayed import DelayedStep
 from zero.kernels.grad_norm import local_norm, scale_
 from zero.inner import check_optimizer, rebuild_optimizer
 from zero.loss_scaler import LossScaler
@@ -136,6 +137,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cast_unmanaged_parameters(model, precision, keep=managed | full)
         self._inner = rebuild_optimizer(optimizer, self.buckets)
         self._stepper = BucketStepper(self._inner, self.partition.trainable_buckets, self.config.step_kernel)
+        self._delayed = DelayedStep(self._inner) if offload.delayed_step else None
         if offload.optimizer_on_host:
             warn_unfused_host_step(self._inner)
         self._pieces_in_model_order = sorted(
@@ -256,25 +258,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._gatherer is not None:  # a copy still gathered now would be stale after the step
             self._gatherer.reshard_all()
         buckets = self.partition.trainable_buckets
-        for bucket in buckets:
-            bucket.adopt_edits()
+        delayed = self._delayed
+        if delayed is not None and delayed.pending:  # share the update started by the previous step()
+            self.flush()
+        else:
+            for bucket in buckets:
+                bucket.adopt_edits()
         self._master_grads()
+        skip = self.loss_scaler is not None and self.loss_scaler.found_inf
         handles = []
-        if self.loss_scaler is not None and self.loss_scaler.found_inf:  # skip the step
+        if skip:
             for bucket in buckets:
                 bucket.push_master()
+        elif delayed is not None:  # this step's update is shared by the next step() or flush()
+            delayed.launch(buckets)
+            delayed.remember(buckets)
         else:
             for bucket in buckets:  # each bucket's parameters are shared while the next one steps
                 self._stepper.step(bucket)
                 handles.append(self.zero_stage.gather_params(bucket, self.comm))
         self._release_master_grads()
-        for handle in handles:
-            if handle is not None:
-                handle.wait()
+        self._wait_all(handles)
         if self.loss_scaler is not None:
             self.loss_scaler.update()
         self.comm.end_step()
         return loss
+
+    def flush(self) -> None:
+        """With ``offload.delayed_step``: wait for the update started by the last :meth:`step` and share it
+        (call it after the last step, before evaluating or saving the model). Otherwise nothing to do."""
+        delayed = self._delayed
+        if delayed is None or not delayed.pending:
+            return
+        buckets = self.partition.trainable_buckets
+        delayed.check_unedited(buckets)
+        delayed.finish()
+        for bucket in buckets:
+            bucket.push_master()
+        self._wait_all([self.zero_stage.gather_params(bucket, self.comm) for bucket in buckets])
+        delayed.remember(buckets)
 
     @contextmanager
     def gathered_parameters(
@@ -294,6 +316,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         0-2 parameters are always whole and only ``modifier_rank`` has an effect.
         """
         self._reducer.settle()
+        self.flush()
         if self._reducer.state is GradState.REDUCING or (self._gatherer is not None and self._gatherer.in_forward):
             raise ValueError("gathered_parameters() cannot be used inside forward or backward")
         buckets = self._buckets_of(targets)
@@ -341,6 +364,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (call on every rank; save one file per rank). Under
         mixed precision it holds this rank's fp32 master weights, and with fp16 the loss scale."""
+        self.flush()
         state = {**self._checkpoint_header(), "optimizer": self._inner.state_dict()}
         masters = [b for b in self.partition.trainable_buckets if b.master_buffer is not None]
         if masters:
@@ -355,6 +379,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage, precision and model
         (call on every rank: the parameters are then cast from the loaded master weights and shared)."""
         checkpoint.check_loadable(state_dict, self._checkpoint_header())
+        self.flush()
         self._inner.load_state_dict(state_dict["optimizer"])
         self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
         self.state = self._inner.state
@@ -364,9 +389,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for bucket, saved in zip(masters, state_dict["master"]):
                     bucket.master_buffer.data.copy_(saved)
                     bucket.push_master()
-            for handle in [self.zero_stage.gather_params(b, self.comm) for b in masters]:
-                if handle is not None:
-                    handle.wait()
+            self._wait_all([self.zero_stage.gather_params(b, self.comm) for b in masters])
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scale"])
 
@@ -456,10 +479,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._grads_prepared = True
         return self._local_grads()
 
+    @staticmethod
+    def _wait_all(handles: list) -> None:
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
     def _release_master_grads(self) -> None:
         for bucket in self.buckets:
-            for piece in bucket.pieces:
-                piece.tensor.grad = None
             bucket.release_master_grads()
         self._grads_prepared = False
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from zero.bucket import Bucket
+from zero.bucket import Bucket, LocalPiece
 
 StepKernel = Literal["auto", "torch", "triton"]
 
@@ -83,15 +83,31 @@ class BucketStepper:
         if bucket.index in self.triton:
             self._triton_step(bucket)
             return
-        pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
+        self.update_master(bucket, self.optimizer)
+        bucket.push_master()
+
+    @staticmethod
+    @torch.no_grad()
+    def update_master(
+        bucket: Bucket,
+        optimizer: torch.optim.Optimizer,
+        grads: torch.Tensor | None = None,
+        pieces: list[LocalPiece] | None = None,
+    ) -> None:
+        """Step ``optimizer`` (the wrapped one, or a copy of it: ``zero.delayed``) over the bucket's ``pieces``
+        (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
+        ``grads`` (a chunk-sized tensor) if given."""
+        if pieces is None:
+            pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
         for piece in pieces:
-            piece.tensor.grad = bucket.grad_piece(piece)
+            piece.tensor.grad = (
+                bucket.grad_piece(piece) if grads is None else grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+            )
         try:
-            self.optimizer.step()
+            type(optimizer).step(optimizer)  # the class's step: not a wrapper an LR scheduler set on the instance
         finally:
             for piece in pieces:
                 piece.tensor.grad = None
-        bucket.push_master()
 
     def _triton_step(self, bucket: Bucket) -> None:
         from zero.kernels.triton_adamw import adamw_step_

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed.precision_world import masters_of
+from tests.recipes import DelayedRecipe
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
 from zero.memory import storage_bytes
@@ -29,6 +30,31 @@ def run(rank: int, world_size: int, stage: int, offload: dict, precision: dict) 
         opt.step()
         opt.zero_grad()
     return masters_of(opt)
+
+
+def run_delayed(rank: int, world_size: int, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``offload.delayed_step`` with two backward passes per step and clipping, and the hand-built delayed
+    update on the global batch: the whole parameters after each, flushed."""
+    make = lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, fused=True)  # noqa: E731
+    model = Net()
+    opt = ZeroOptimizer(make(model.parameters()), model, stage=stage, bucket_size_mb=1e-4,
+                        offload={"optimizer": "cpu", "delayed_step": True})
+    reference = Net()
+    recipe = DelayedRecipe(reference, make)
+    for step in range(4):
+        for k, use_aux in ((0, False), (10, step % 2 == 1)):
+            model(local_slice(batch(step + k), rank, world_size), use_aux).div(2).backward()
+            reference(batch(step + k), use_aux).div(2).backward()
+        opt.clip_grad_norm_(0.1)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+        recipe.step()
+    opt.flush()
+    recipe.flush()
+    with opt.gathered_parameters():
+        got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return got, torch.cat([p.detach().flatten() for p in reference.parameters()])
 
 
 def split_memory(rank: int, world_size: int, stage: int, what: str) -> dict:
@@ -62,4 +88,5 @@ def offload_checks(rank: int, world_size: int) -> dict:
             for name, p in PRECISIONS.items()
         },
         "memory": {(stage, what): split_memory(rank, world_size, stage, what) for stage, what in CASES},
+        "delayed": {stage: run_delayed(rank, world_size, stage) for stage in (2, 3)},
     }
