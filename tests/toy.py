@@ -74,3 +74,29 @@ class CheckpointedNet(Net):
         if self.first_grad_inside:
             return checkpoint(lambda h: self.head(h).square().mean(), x, use_reentrant=self.reentrant)
         return self.head(x).square().mean()
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.fc(x)))
+
+
+class DropoutNet(nn.Module):
+    """Residual blocks with dropout in an nn.ModuleList, and a head: for activation checkpointing (the
+    recomputation must draw the same dropout masks)."""
+
+    def __init__(self, blocks: int = 4, width: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(DropoutBlock(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()

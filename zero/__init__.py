@@ -1,5 +1,6 @@
 """zero: ZeRO data parallelism for PyTorch (sharded optimizer state, gradients and parameters)."""
 
+from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
 from zero.config import ZeroConfig
 from zero.memory import ModelStateBytes, zero_model_state_bytes
 from zero.optimizer import ZeroOptimizer, init_sharded
@@ -10,6 +11,6 @@ from zero.profiler import estimate, profile
 __version__ = "0.2.0"
 
 __all__ = [
-    "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
-    "__version__",
+    "ActivationCheckpointing", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
+    "blocks_within_budget", "checkpoint_activations", "__version__",
 ]

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
+from zero.activations import ActivationCheckpointing
 from zero.offload import Offload
 from zero.precision import MixedPrecision
 from zero.stepper import StepKernel
@@ -93,6 +94,13 @@ class ZeroConfig(BaseModel):
         description="CPU offload (zero.Offload, or a mapping): {'optimizer': 'cpu'} keeps the fp32 master shard, "
         "the optimizer's gradients and state in host memory and steps there (stages 1-3); {'params': 'cpu'} "
         "also keeps stage 3's parameter shards there. Default: nothing offloaded.",
+    )
+
+    activation_checkpointing: Optional[ActivationCheckpointing] = Field(
+        None,
+        description="Checkpoint blocks' activations (zero.ActivationCheckpointing, or a mapping: classes, modules, "
+        "every, selective, offload_inputs; {} checkpoints every block of the model's nn.ModuleList). "
+        "Default: none.",
     )
 
     step_kernel: StepKernel = Field(

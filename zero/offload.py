@@ -91,13 +91,17 @@ def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> N
     shard kept on the host)."""
     if not offload.optimizer_on_host:
         return
-    needed = shard_numel * (HOST_BYTES_PER_ELEMENT + (param_bytes if offload.params_on_host else 0))
+    per_element, extras = HOST_BYTES_PER_ELEMENT, ""
+    if offload.params_on_host:
+        per_element, extras = per_element + param_bytes, extras + ", plus the parameter shard"
+    if offload.delayed_step:  # the copy of the gradients handed to the background step
+        per_element, extras = per_element + 4, extras + ", plus the gradients of the delayed step"
+    needed = shard_numel * per_element
     available = available_host_bytes()
     if available is not None and needed > available:
         raise ValueError(
             f"CPU offload needs about {needed / 2**30:.2f} GiB of host memory on this rank (fp32 master, "
-            f"gradients and Adam-sized optimizer state for {shard_numel:,} elements"
-            f"{', plus the parameter shard' if offload.params_on_host else ''}), but only "
+            f"gradients and Adam-sized optimizer state for {shard_numel:,} elements{extras}), but only "
             f"{available / 2**30:.2f} GiB is available. Use more ranks (the shard shrinks as 1/N), free host "
             "memory, or offload less (offload.params='none', or offload.optimizer='none')."
         )

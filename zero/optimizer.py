@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zero import checkpoint
+from zero.activations import checkpoint_activations
 from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
@@ -145,6 +146,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self.state = self._inner.state
+        policy = self.config.activation_checkpointing
+        self.checkpointed = checkpoint_activations(model, policy) if policy is not None else None
         self._gatherer = None
         if isinstance(self.zero_stage, Stage3):
             self._gatherer = ParamGatherer(

@@ -21,6 +21,7 @@ element by element, so the split changes no number.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Literal
 
@@ -32,11 +33,7 @@ StepKernel = Literal["auto", "torch", "triton"]
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def triton_unsuitable(optimizer: torch.optim.Optimizer, bucket: Bucket) -> str | None:

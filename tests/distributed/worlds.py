@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.distributed.activations_world import activation_checks
 from tests.distributed.offload_world import offload_checks
 from tests.distributed.precision_world import precision_checks
 from tests.distributed.profile_world import profile_checks
@@ -394,4 +395,5 @@ def world_checks(rank: int, world_size: int) -> dict:
         "profile": profile_checks(rank, world_size),
         "precision": precision_checks(rank, world_size),
         "offload": offload_checks(rank, world_size),
+        "activations": activation_checks(rank, world_size),
     }

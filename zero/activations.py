@@ -1,0 +1,201 @@
+"""Activation checkpointing by policy: ``zero.checkpoint_activations(model, policy)``.
+
+The chosen blocks keep only their inputs from forward; backward recomputes each block's forward when it
+needs the block's saved tensors. It is torch's non-reentrant checkpointing applied through module
+hooks (``torch.distributed._composable.checkpoint``, the API FSDP2 composes with), so parameter names and
+``state_dict`` keys are unchanged, and a recomputation calls the module again: stage 3 gathers the
+unit's parameters for it through its usual hooks and backward releases them. The RNG state is restored
+for the recomputation, so dropout draws the same mask and checkpointing changes no number.
+
+Policies (:class:`ActivationCheckpointing`): the blocks are the modules of the named classes (``classes``),
+or those named (``modules``), or by default every module held in an ``nn.ModuleList`` (stage 3's default
+units: the transformer blocks); ``every=k`` keeps every k-th of them; ``selective=True`` also saves
+matrix-multiplication outputs inside each block and recomputes only the cheap operations between them
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``); ``offload_inputs=True`` keeps each
+checkpointed block's input in host memory (pinned with a GPU) until the recomputation brings it back.
+:func:`blocks_within_budget` picks the blocks for an activation budget from the estimator's trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from torch import nn
+
+MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
+           "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")  # fmt: skip
+
+
+class ActivationCheckpointing(BaseModel):
+    """Which blocks to checkpoint and how (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    classes: Optional[tuple[StrictStr, ...]] = Field(None, description="class names of the blocks, e.g. ['Block']")
+    modules: Optional[tuple[StrictStr, ...]] = Field(None, description="qualified names of the blocks")
+    every: int = Field(1, strict=True, ge=1, description="checkpoint every k-th block (1: all)")
+    selective: bool = Field(False, strict=True, description="also save matmul outputs; recompute only the rest")
+    offload_inputs: bool = Field(False, strict=True, description="keep the blocks' inputs in host memory")
+    use_reentrant: bool = Field(False, strict=True, description="must stay False: reentrant is not supported")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ActivationCheckpointing":
+        if self.use_reentrant:
+            raise ValueError(
+                "reentrant activation checkpointing (use_reentrant=True) runs a backward inside backward, which "
+                "cannot hand gradients to ZeRO's hooks in order; use the default non-reentrant checkpointing"
+            )
+        if self.classes is not None and self.modules is not None:
+            raise ValueError("give either classes or modules (the blocks to checkpoint), not both")
+        return self
+
+
+@dataclass
+class Checkpointed:
+    """What :func:`checkpoint_activations` did: the blocks' names and, with ``offload_inputs``, its hooks."""
+
+    blocks: list[str]
+    offload: InputOffload | None = None
+
+
+def checkpoint_activations(model: nn.Module, policy: ActivationCheckpointing | dict | None = None) -> Checkpointed:
+    """Checkpoint the blocks of ``model`` that ``policy`` chooses. Call it once, before the first forward
+    (``ZeroConfig.activation_checkpointing`` does it when the optimizer is built)."""
+    from torch.distributed._composable import checkpoint
+
+    if not isinstance(policy, ActivationCheckpointing):
+        policy = ActivationCheckpointing(**(policy or {}))
+    names = chosen_blocks(model, policy)
+    modules = dict(model.named_modules())
+    offload = InputOffload() if policy.offload_inputs else None
+    for name in names:
+        module = modules[name]
+        if checkpoint.state(module) is not None:
+            raise ValueError(f"module {name!r} is checkpointed already; call checkpoint_activations once")
+        if offload is not None:
+            module.register_forward_pre_hook(offload.to_host, prepend=True, with_kwargs=True)
+        checkpoint(module, context_fn=_selective_contexts if policy.selective else None)
+        if offload is not None:
+            module.register_forward_pre_hook(offload.to_device, with_kwargs=True)
+    return Checkpointed(names, offload)
+
+
+def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str]:
+    """The qualified names of the blocks ``policy`` checkpoints, in model order (a clear error if none)."""
+    named = list(model.named_modules())
+    if policy.modules is not None:
+        known = {name for name, _ in named}
+        missing = [m for m in policy.modules if m not in known]
+        if missing:
+            raise ValueError(f"activation checkpointing names modules that are not in the model: {missing}")
+        blocks = [name for name, _ in named if name in policy.modules]
+    elif policy.classes is not None:
+        present = {type(m).__name__ for _, m in named}
+        missing = [c for c in policy.classes if c not in present]
+        if missing:
+            raise ValueError(
+                f"activation checkpointing names classes that no module of the model has: {missing} (the model's "
+                f"classes: {sorted(present)})"
+            )
+        blocks = [name for name, m in named if type(m).__name__ in policy.classes]
+        blocks = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks if o != b)]  # outermost only
+    else:
+        blocks = [f"{name}.{child}" if name else child for name, m in named if isinstance(m, nn.ModuleList)
+                  for child, _ in m.named_children()]  # fmt: skip
+        if not blocks:
+            raise ValueError("the model has no nn.ModuleList of blocks; name the blocks with classes=[...] or modules=[...]")
+    return blocks[policy.every - 1 :: policy.every]
+
+
+def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...]) -> float:
+    """Activation bytes one forward keeps for backward with ``blocks`` checkpointed (``trace``: from
+    :func:`zero.profiler.estimator.trace`): the traced total, less each checkpointed block's own activations,
+    plus its input, plus the largest checkpointed block's activations (alive again while it is recomputed)."""
+    if not blocks:
+        return float(trace.activation_bytes)
+    own, inputs = trace.unit_activation_bytes, trace.unit_input_bytes
+    kept = sum(own[b] - inputs.get(b, 0) for b in blocks)
+    return float(trace.activation_bytes - kept + max(own[b] for b in blocks))
+
+
+def blocks_within_budget(trace: Any, budget_bytes: float) -> tuple[str, ...]:
+    """The fewest blocks (stage 3's default units, from :func:`zero.profiler.estimator.trace`) to checkpoint so
+    that :func:`saved_activation_bytes` fits ``budget_bytes``, checkpointing first the blocks that save the
+    most (the least recomputation for the memory); a ``ValueError`` naming the minimum if none fits."""
+    own = {u: b for u, b in trace.unit_activation_bytes.items() if u}  # "" is the root, never a block
+    order = sorted(own, key=lambda u: own[u] - trace.unit_input_bytes.get(u, 0), reverse=True)
+    plans = [order[:k] for k in range(len(order) + 1)]
+    for chosen in plans:
+        if saved_activation_bytes(trace, chosen) <= budget_bytes:
+            return tuple(sorted(chosen, key=list(own).index))
+    minimum = min(saved_activation_bytes(trace, chosen) for chosen in plans)
+    raise ValueError(
+        f"an activation budget of {budget_bytes / 2**20:.2f} MiB is below the minimum this model needs with its "
+        f"blocks checkpointed, about {minimum / 2**20:.2f} MiB per micro-batch; use a smaller micro-batch or a "
+        "larger budget"
+    )
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        name = op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else str(op)
+        return CheckpointPolicy.MUST_SAVE if name in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _map_tensors(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    convert = lambda v: fn(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+class InputOffload:
+    """The hooks that keep checkpointed blocks' inputs in host memory, and the bytes they moved there."""
+
+    def __init__(self) -> None:
+        self.bytes_offloaded = 0
+        self._devices: dict[int, torch.device] = {}  # id(module) -> where its inputs came from
+
+    def to_host(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Before checkpointing takes the inputs: copies in host memory (what it keeps for the recomputation);
+        nothing when recomputing (the inputs are those copies)."""
+        from torch.distributed._composable import checkpoint
+
+        if not torch.is_grad_enabled() or not checkpoint.state(module).enable_hook:
+            return args, kwargs
+        self._devices[id(module)] = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            self.bytes_offloaded += t.numel() * t.element_size()
+            return _ToHost.apply(t) if t.requires_grad else _ToHost.forward(None, t)
+
+        return _map_tensors(down, args, kwargs)
+
+    def to_device(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Inside the checkpointed region (also when recomputing): the inputs back on the compute device."""
+        device = self._devices.get(id(module))
+        if device is None or not torch.is_grad_enabled():
+            return args, kwargs
+        return _map_tensors(lambda t: t.to(device, non_blocking=True, copy=True), args, kwargs)
+
+
+class _ToHost(torch.autograd.Function):
+    """A copy of ``t`` in host memory (pinned when ``t`` is on a GPU); the gradient goes back to ``t``'s device."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        if ctx is not None:
+            ctx.device = t.device
+        pin = t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        host.copy_(t.detach(), non_blocking=pin)
+        return host
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.device)
