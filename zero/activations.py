@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from torch import nn
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
-           "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")  # fmt: skip
+           "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_cudnn_attention")  # fmt: skip
 
 
 class ActivationCheckpointing(BaseModel):
