@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from tests.toy import DropoutNet, batch
+import zero
 from zero import ActivationCheckpointing, ZeroConfig, ZeroOptimizer, blocks_within_budget, checkpoint_activations
 from zero.activations import chosen_blocks, saved_activation_bytes
 from zero.models import GPT, GPTConfig
@@ -82,3 +83,15 @@ def test_budget_picks_the_fewest_blocks_or_names_the_minimum():
     minimum = saved_activation_bytes(traced, [f"blocks.{i}" for i in range(4)])
     with pytest.raises(ValueError, match=f"about {minimum / 2**20:.2f} MiB"):
         blocks_within_budget(traced, minimum - 1)
+
+
+@pytest.mark.parametrize("policy", [None, {}])
+def test_the_profiler_shows_recomputation_as_its_own_phase(policy):
+    model = DropoutNet()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=2, activation_checkpointing=policy)
+    with zero.profile(model, opt) as prof:
+        model(batch(0)).backward()
+        opt.step()
+    recomputed = {s.module for s in prof.samples if s.phase == "recompute"}
+    blocks = {f"blocks.{i}{child}" for i in range(4) for child in ("", ".fc", ".drop")}
+    assert recomputed == (set() if policy is None else blocks)

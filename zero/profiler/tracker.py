@@ -81,8 +81,8 @@ class _Context:
     def phase(self) -> str:
         if self.in_step:
             return "step"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
+        if torch._C._current_graph_task_id() != -1:  # a forward inside backward: activation checkpointing's
+            return "recompute" if self.stack else "backward"
         return "forward" if self.stack else "idle"
 
     @property
@@ -91,7 +91,7 @@ class _Context:
             return self.stack[-1]
         if self.in_step:
             return "<optimizer>"
-        return self.backward_module if self.phase == "backward" else ""
+        return self.backward_module if self.phase in ("backward", "recompute") else ""
 
 
 class _Creations(TorchDispatchMode):
