@@ -95,3 +95,15 @@ def test_the_profiler_shows_recomputation_as_its_own_phase(policy):
     recomputed = {s.module for s in prof.samples if s.phase == "recompute"}
     blocks = {f"blocks.{i}{child}" for i in range(4) for child in ("", ".fc", ".drop")}
     assert recomputed == (set() if policy is None else blocks)
+
+
+def test_the_estimator_prices_a_policy_by_its_blocks():
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_layers=4, num_heads=2)
+    x = torch.zeros(4, cfg.seq_len, dtype=torch.long)
+    traced = trace(lambda: GPT(cfg), lambda m, a, b: m.loss(a, b), (x, x))
+    every = chosen_blocks(GPT(cfg), ActivationCheckpointing())
+    half = chosen_blocks(GPT(cfg), ActivationCheckpointing(every=2))
+    price = lambda blocks: zero.estimate(traced, stage=2, world_size=1, micro_batch=4, traced_micro_batch=4,  # noqa: E731
+                                         checkpointing=blocks).activations
+    assert price(True) == price(every) == saved_activation_bytes(traced, every)
+    assert price(False) == traced.activation_bytes > price(half) == saved_activation_bytes(traced, half) > price(every)

@@ -32,11 +32,12 @@ model-state column is the ZeRO paper's and is tested against it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from zero.activations import saved_activation_bytes
 from zero.outputs import tensors_in
 from zero.precision import DTYPES, MixedPrecision
 from zero.units import plan_units
@@ -243,12 +244,14 @@ def estimate(
     traced_micro_batch: int,
     precision: str = "fp32",
     offload: bool = False,
-    checkpointing: bool = False,
+    checkpointing: bool | Sequence[str] = False,
     bucket_size_mb: float = 25,
 ) -> Estimate:
     """Per-rank peak of a training step for one configuration (see the module docstring).
 
     Activations scale linearly from the traced micro-batch (``traced_micro_batch``) to ``micro_batch``.
+    ``checkpointing``: ``True`` for every unit (block), or the names of the blocks checkpointed (a policy's
+    ``zero.activations.chosen_blocks``), priced by ``zero.activations.saved_activation_bytes``.
     """
     if micro_batch < 1 or traced_micro_batch < 1:
         raise ValueError("micro-batch sizes must be >= 1")
@@ -256,12 +259,9 @@ def estimate(
     states = model_states(traced.numel, world_size, stage, precision)
     scale = micro_batch / traced_micro_batch
     act_scale = prec.param / 4  # traced in fp32; mixed precision keeps half-size activations
-    activations = traced.activation_bytes
-    if checkpointing:
-        inner = {n: b for n, b in traced.unit_activation_bytes.items() if n}
-        kept = sum(traced.unit_input_bytes[n] for n in inner)
-        activations = activations - sum(inner.values()) + kept + max(inner.values(), default=0)
-    activations *= scale * act_scale
+    if checkpointing is True:
+        checkpointing = [n for n in traced.unit_activation_bytes if n]
+    activations = saved_activation_bytes(traced, list(checkpointing or ())) * scale * act_scale
     gradients = prec.grad * traced.numel if stage < 2 else 0.0  # stages 2-3 (and reduced shards): freed at zero_grad()
     gathered, blocks = 0.0, sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
     if stage == 3:
@@ -274,7 +274,7 @@ def estimate(
         optimizer_state = 0.0
     common = dict(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
-        checkpointing=checkpointing, parameters=states.parameters, optimizer_state=optimizer_state, host=host,
+        checkpointing=bool(checkpointing), parameters=states.parameters, optimizer_state=optimizer_state, host=host,
         notes=notes,
     )
     start = Estimate(
