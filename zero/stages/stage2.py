@@ -82,6 +82,7 @@ class StagedReduction:
         """Add the averaged chunk into the persistent shard and release the full buffer."""
         reduced = bucket.chunk_of(bucket.staging)
         if bucket.grad_shard_buffer.is_allocated:  # a later pass before step(): accumulate
+            bucket.placement.wait()  # offload: the earlier pass's chunk has landed on the host
             bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
         else:  # first pass since zero_grad(): one copy instead of zero-fill + add (offload: down to the host)
             bucket.grad_shard_buffer.allocate(zero=False)
