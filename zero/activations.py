@@ -112,14 +112,26 @@ def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str
 
 
 def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...]) -> float:
-    """Activation bytes one forward keeps for backward with ``blocks`` checkpointed (``trace``: from
-    :func:`zero.profiler.estimator.trace`): the traced total, less each checkpointed block's own activations,
-    plus its input, plus the largest checkpointed block's activations (alive again while it is recomputed)."""
-    if not blocks:
-        return float(trace.activation_bytes)
+    """Peak activation bytes of one step with ``blocks`` checkpointed (``trace``: from
+    :func:`zero.profiler.estimator.trace`), the larger of two moments:
+
+    * the end of forward: the traced total, less each checkpointed block's own activations, plus its input;
+    * the recomputation of a checkpointed block ``j`` in backward: the activations outside the blocks, what
+      the blocks before ``j`` kept (their inputs, or their activations when not checkpointed), and ``j``'s
+      own activations, alive again (the blocks after ``j`` have been through backward and freed theirs).
+    """
     own, inputs = trace.unit_activation_bytes, trace.unit_input_bytes
-    kept = sum(own[b] - inputs.get(b, 0) for b in blocks)
-    return float(trace.activation_bytes - kept + max(own[b] for b in blocks))
+    order = [u for u in own if u]  # forward order; "" is the root, never a block
+    chosen = set(blocks)
+    kept = {u: inputs.get(u, 0) if u in chosen else own[u] for u in order}
+    outside = trace.activation_bytes - sum(own[u] for u in order)
+    peak = outside + sum(kept.values())
+    before = outside
+    for u in order:
+        if u in chosen:
+            peak = max(peak, before + own[u])
+        before += kept[u]
+    return float(peak)
 
 
 def blocks_within_budget(trace: Any, budget_bytes: float) -> tuple[str, ...]:

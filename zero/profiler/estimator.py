@@ -12,7 +12,8 @@ A training step peaks at the start of backward, when every saved activation is s
   sharded by the stage; stages 0-1 keep gradient buckets allocated, stages 2-3 release
   them at ``zero_grad()``, so none exist yet when backward starts;
 * activations: saved-for-backward bytes of one micro-batch (with activation
-  checkpointing: each unit's inputs, plus the largest unit's own activations, recomputed);
+  checkpointing: the checkpointed units' inputs instead of their activations, or, if larger, what is
+  alive while one of them is recomputed in backward: ``zero.activations.saved_activation_bytes``);
 * gathered parameters (stage 3): the root unit, the last unit and the prefetched one;
 * the output gradient: backward's first buffers, the gradients of the loss with respect to the
   model's output and to the softmax inside the loss, alive together (twice the output's bytes);

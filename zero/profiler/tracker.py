@@ -14,7 +14,8 @@ While a :class:`MemoryTracker` is active it keeps three registries of tensor sto
 It samples at every module's forward pre- and post-hook, when backward reaches a module's
 outputs, at every parameter's gradient and around ``optimizer.step()``. A sample claims each
 live storage once, in this order: owned (by the owner's category), saved (``activations``),
-created during the run (``temporaries``), alive on entry (``other``). Sizes are read when
+created during the run (``temporaries``; ``activations`` when created by a forward recomputed in backward,
+the ``recompute`` phase of activation checkpointing), alive on entry (``other``). Sizes are read when
 sampled, so storages resized in place (freed and re-gathered buffers) count what they hold.
 
 The categories are then reconciled with the allocator's own figure (``zero.profiler.allocator``):
@@ -243,7 +244,10 @@ class MemoryTracker:
                 storage = origin.ref()
                 if storage is not None:
                     created_ptrs.add(storage.data_ptr())
-                    claim(storage, "temporaries", f"created in {origin.phase}", origin.module)
+                    if origin.phase == "recompute":  # activation checkpointing rebuilt it for backward
+                        claim(storage, "activations", "recomputed", origin.module)
+                    else:
+                        claim(storage, "temporaries", f"created in {origin.phase}", origin.module)
             entry_alive = 0
             for entry in self._entry.values():
                 if entry.dead_at is not None:
