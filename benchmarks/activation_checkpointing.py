@@ -68,7 +68,7 @@ def main() -> None:
         "none": (None, []),
         "every block": ({}, blocks),
         "every 2nd block": ({"every": 2}, blocks[1::2]),
-        "selective": ({"selective": True}, None),
+        "selective": ({"selective": True}, blocks),
         "inputs offloaded": ({"offload_inputs": True}, blocks),
         f"budget ({len(planned)} blocks)": ({"modules": list(planned)}, list(planned)),
     }
@@ -89,8 +89,9 @@ def main() -> None:
     (base_act, base_total), base_time = measured["none"], statistics.median(times["none"])
     print(f"{'policy':<26}{'activations':>15}{'x none':>8}{'predicted':>11}{'peak total':>14}{'x none':>8}"
           f"{'step time':>11}{'x none':>8}")
-    for name, (_, chosen) in policies.items():
-        predicted = "" if chosen is None else f"{saved_activation_bytes(traced, chosen) / traced.activation_bytes:.2f}"
+    for name, (policy, chosen) in policies.items():
+        selective = bool(policy and policy.get("selective"))
+        predicted = f"{saved_activation_bytes(traced, chosen, selective) / traced.activation_bytes:.2f}"
         act, total = measured[name]
         t = statistics.median(times[name])
         print(f"{name:<26}{act / 2**20:>11.1f} MiB{act / base_act:>8.2f}{predicted:>11}{total / 2**20:>10.1f} MiB"

@@ -111,11 +111,12 @@ def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str
     return blocks[policy.every - 1 :: policy.every]
 
 
-def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...]) -> float:
+def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...], selective: bool = False) -> float:
     """Peak activation bytes of one step with ``blocks`` checkpointed (``trace``: from
     :func:`zero.profiler.estimator.trace`), the larger of two moments:
 
-    * the end of forward: the traced total, less each checkpointed block's own activations, plus its input;
+    * the end of forward: the traced total, less each checkpointed block's own activations, plus its input
+      (``selective``: and its matmul outputs);
     * the recomputation of a checkpointed block ``j`` in backward: the activations outside the blocks, what
       the blocks before ``j`` kept (their inputs, or their activations when not checkpointed), and ``j``'s
       own activations, alive again (the blocks after ``j`` have been through backward and freed theirs).
@@ -123,7 +124,8 @@ def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...]) -> f
     own, inputs = trace.unit_activation_bytes, trace.unit_input_bytes
     order = [u for u in own if u]  # forward order; "" is the root, never a block
     chosen = set(blocks)
-    kept = {u: inputs.get(u, 0) if u in chosen else own[u] for u in order}
+    matmuls = trace.unit_matmul_bytes if selective else {}
+    kept = {u: inputs.get(u, 0) + matmuls.get(u, 0) if u in chosen else own[u] for u in order}
     outside = trace.activation_bytes - sum(own[u] for u in order)
     peak = outside + sum(kept.values())
     before = outside

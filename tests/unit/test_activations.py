@@ -107,3 +107,13 @@ def test_the_estimator_prices_a_policy_by_its_blocks():
                                          checkpointing=blocks).activations
     assert price(True) == price(every) == saved_activation_bytes(traced, every)
     assert price(False) == traced.activation_bytes > price(half) == saved_activation_bytes(traced, half) > price(every)
+
+
+def test_selective_is_priced_between_none_and_full_recompute():
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_layers=4, num_heads=2)
+    x = torch.zeros(4, cfg.seq_len, dtype=torch.long)
+    traced = trace(lambda: GPT(cfg), lambda m, a, b: m.loss(a, b), (x, x))
+    blocks = [f"blocks.{i}" for i in range(4)]
+    assert all(traced.unit_matmul_bytes[b] > 0 for b in blocks)  # the four projections and attention, per block
+    full, selective = saved_activation_bytes(traced, blocks), saved_activation_bytes(traced, blocks, selective=True)
+    assert full < selective < traced.activation_bytes

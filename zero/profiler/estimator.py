@@ -37,8 +37,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from zero.activations import saved_activation_bytes
+from zero.activations import MATMULS, saved_activation_bytes
 from zero.outputs import tensors_in
 from zero.precision import DTYPES, MixedPrecision
 from zero.units import plan_units
@@ -118,6 +119,7 @@ class Trace:
     unit_activation_bytes: dict[str, int]  # saved while each unit's forward ran (outermost first)
     unit_input_bytes: dict[str, int]  # what activation checkpointing keeps per unit
     output_bytes: int  # the forward's output (its gradient is backward's first buffer)
+    unit_matmul_bytes: dict[str, int] = field(default_factory=dict)  # matmul outputs per unit (selective checkpointing)
 
 
 def trace(build_fn: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Trace:
@@ -156,6 +158,7 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
             per_unit[stack[-1]] += saved[key]
         return t
 
+    matmuls: dict[str, int] = {u.name: 0 for u in units}
     outputs: list[int] = []
     hooks = [model.register_forward_hook(_record_output(outputs))]
     for unit in units:
@@ -163,7 +166,7 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
             hooks.append(unit.module.register_forward_pre_hook(_enter(stack, inputs, unit.name)))
             hooks.append(unit.module.register_forward_hook(_leave(stack)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _MatmulOutputs(stack, matmuls):
             loss = loss_fn(model, *batch)
     finally:
         for hook in hooks:
@@ -177,7 +180,23 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
         unit_activation_bytes=per_unit,
         unit_input_bytes=inputs,
         output_bytes=max(outputs, default=0),
+        unit_matmul_bytes=matmuls,
     )
+
+
+class _MatmulOutputs(TorchDispatchMode):
+    """Adds the bytes of each matmul's output to the unit running it (what selective checkpointing saves)."""
+
+    def __init__(self, stack: list[str], totals: dict[str, int]):
+        super().__init__()
+        self.stack, self.totals = stack, totals
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in MATMULS and self.stack[-1] in self.totals:
+            tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+            self.totals[self.stack[-1]] += sum(t.numel() * t.element_size() for t in tensors)
+        return out
 
 
 def _enter(stack: list[str], inputs: dict[str, int], name: str):
@@ -246,13 +265,15 @@ def estimate(
     precision: str = "fp32",
     offload: bool = False,
     checkpointing: bool | Sequence[str] = False,
+    selective: bool = False,
     bucket_size_mb: float = 25,
 ) -> Estimate:
     """Per-rank peak of a training step for one configuration (see the module docstring).
 
     Activations scale linearly from the traced micro-batch (``traced_micro_batch``) to ``micro_batch``.
     ``checkpointing``: ``True`` for every unit (block), or the names of the blocks checkpointed (a policy's
-    ``zero.activations.chosen_blocks``), priced by ``zero.activations.saved_activation_bytes``.
+    ``zero.activations.chosen_blocks``), priced by ``zero.activations.saved_activation_bytes`` (``selective``:
+    they also keep their matmul outputs).
     """
     if micro_batch < 1 or traced_micro_batch < 1:
         raise ValueError("micro-batch sizes must be >= 1")
@@ -262,7 +283,7 @@ def estimate(
     act_scale = prec.param / 4  # traced in fp32; mixed precision keeps half-size activations
     if checkpointing is True:
         checkpointing = [n for n in traced.unit_activation_bytes if n]
-    activations = saved_activation_bytes(traced, list(checkpointing or ())) * scale * act_scale
+    activations = saved_activation_bytes(traced, list(checkpointing or ()), selective) * scale * act_scale
     gradients = prec.grad * traced.numel if stage < 2 else 0.0  # stages 2-3 (and reduced shards): freed at zero_grad()
     gathered, blocks = 0.0, sorted((n for k, n in traced.unit_numels.items() if k), reverse=True)
     if stage == 3:
