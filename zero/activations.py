@@ -187,7 +187,7 @@ class InputOffload:
 
         def down(t: torch.Tensor) -> torch.Tensor:
             self.bytes_offloaded += t.numel() * t.element_size()
-            return _ToHost.apply(t) if t.requires_grad else _ToHost.forward(None, t)
+            return _ToHost.apply(t) if t.requires_grad else _host_copy(t)
 
         return _map_tensors(down, args, kwargs)
 
@@ -199,17 +199,21 @@ class InputOffload:
         return _map_tensors(lambda t: t.to(device, non_blocking=True, copy=True), args, kwargs)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (pinned, and copied asynchronously, when ``t`` is on a GPU)."""
+    pin = t.device.type == "cuda"
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    host.copy_(t.detach(), non_blocking=pin)
+    return host
+
+
 class _ToHost(torch.autograd.Function):
-    """A copy of ``t`` in host memory (pinned when ``t`` is on a GPU); the gradient goes back to ``t``'s device."""
+    """:func:`_host_copy` as an autograd op: the gradient goes back to ``t``'s device."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor) -> torch.Tensor:
-        if ctx is not None:
-            ctx.device = t.device
-        pin = t.device.type == "cuda"
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        host.copy_(t.detach(), non_blocking=pin)
-        return host
+        ctx.device = t.device
+        return _host_copy(t)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

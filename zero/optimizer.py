@@ -268,15 +268,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for bucket in buckets:
                 bucket.adopt_edits()
         self._master_grads()
+        # an fp16 overflow skips the update: the masters (edits adopted above) already match the parameters
         skip = self.loss_scaler is not None and self.loss_scaler.found_inf
         handles = []
-        if skip:
-            for bucket in buckets:
-                bucket.push_master()
-        elif delayed is not None:  # this step's update is shared by the next step() or flush()
+        if not skip and delayed is not None:  # this step's update is shared by the next step() or flush()
             delayed.launch(buckets)
             delayed.remember(buckets)
-        else:
+        elif not skip:
             for bucket in buckets:  # each bucket's parameters are shared while the next one steps
                 self._stepper.step(bucket)
                 handles.append(self.zero_stage.gather_params(bucket, self.comm))
@@ -296,9 +294,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buckets = self.partition.trainable_buckets
         delayed.check_unedited(buckets)
         delayed.finish()
-        for bucket in buckets:
-            bucket.push_master()
-        self._wait_all([self.zero_stage.gather_params(bucket, self.comm) for bucket in buckets])
+        self._share_masters(buckets)
         delayed.remember(buckets)
 
     @contextmanager
@@ -391,8 +387,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for bucket, saved in zip(masters, state_dict["master"]):
                     bucket.master_buffer.data.copy_(saved)
-                    bucket.push_master()
-            self._wait_all([self.zero_stage.gather_params(b, self.comm) for b in masters])
+            self._share_masters(masters)
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scale"])
 
@@ -481,6 +476,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._placement.wait()  # offload: the gradients copied down have landed
             self._grads_prepared = True
         return self._local_grads()
+
+    def _share_masters(self, buckets: list[Bucket]) -> None:
+        """Cast each bucket's master into this rank's chunk of its parameters and share it (stages 1-2)."""
+        for bucket in buckets:
+            bucket.push_master()
+        self._wait_all([self.zero_stage.gather_params(bucket, self.comm) for bucket in buckets])
 
     @staticmethod
     def _wait_all(handles: list) -> None:
