@@ -1,4 +1,4 @@
-"""Command line: ``zero demo``, ``zero estimate`` and ``zero report`` (also ``python -m zero ...``)."""
+"""Command line: ``zero demo``, ``zero estimate``, ``zero report`` and ``zero consolidate`` (also ``python -m zero ...``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from zero import demo
+from zero.consolidate import consolidate
+from zero.precision import DTYPES
 from zero.profiler import estimate_cli, report_cli
 
 
@@ -27,7 +29,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report_cli.add_arguments(report_parser)
     report_parser.set_defaults(run=report_cli.main)
+    consolidate_parser = commands.add_parser(
+        "consolidate", help="export a checkpoint saved by zero.save_checkpoint to safetensors or a torch state_dict"
+    )
+    _consolidate_arguments(consolidate_parser)
+    consolidate_parser.set_defaults(run=_consolidate)
     return parser
+
+
+def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="the checkpoint directory (it holds metadata.json)")
+    parser.add_argument(
+        "out",
+        help="a directory (model.safetensors, or shards plus model.safetensors.index.json as Hugging Face writes "
+        "them), a file ending in .safetensors, or one ending in .pt/.pth/.bin (torch.save of a state_dict)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors (default: as saved)")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file in a directory export (default: 5GB)"
+    )
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    try:
+        consolidate(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"zero consolidate: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

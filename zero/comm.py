@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -250,6 +251,25 @@ class Communicator:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_json(self, obj: Any, *, what: str = "all-gather of metadata") -> list[Any]:
+        """Every rank's JSON-serializable ``obj``, in rank order, with this communicator's timeout (for
+        control messages such as a checkpoint's manifests: not counted as step traffic, never pickled)."""
+        payload = json.dumps(obj).encode()
+        if self.skips_collectives:
+            return [json.loads(payload)]
+        self._check(what)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._handle(fn(sizes, mine, group=self.group, async_op=True), what).wait()
+        longest = int(sizes.max())
+        data = torch.zeros(longest, dtype=torch.uint8)
+        data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
+        self._handle(fn(gathered, data.to(self.device), group=self.group, async_op=True), what).wait()
+        rows = gathered.cpu().view(self.world_size, longest)
+        return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
 
     def end_step(self) -> None:
         """Close the current step's counters (``stats.last_step`` becomes this step's)."""

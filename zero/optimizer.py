@@ -391,6 +391,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scale"])
 
+    def settle_for_checkpoint(self) -> None:
+        """Before a portable checkpoint (``zero.save_checkpoint``/``load_checkpoint``) reads or writes the shards:
+        the delayed update shared, nothing gathered (stage 3), and edits made since the step in the masters."""
+        self.flush()
+        if self._gatherer is not None:
+            self._gatherer.reshard_all()
+        for bucket in self.partition.trainable_buckets:
+            bucket.adopt_edits()
+
+    def finish_load(self, inner_state: dict[str, Any], loss_scale: dict[str, Any] | None) -> None:
+        """After ``zero.load_checkpoint`` wrote this rank's masters or shards: load the wrapped optimizer's
+        state (a ``torch.optim`` state dict over this rank's pieces), cast and share the parameters."""
+        self._inner.load_state_dict(inner_state)
+        self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
+        self.state = self._inner.state
+        self._share_masters(self.partition.trainable_buckets)
+        if self.loss_scaler is not None and loss_scale is not None:
+            self.loss_scaler.load_state_dict(loss_scale)
+
     # ----- mixed precision --------------------------------------------------------------------------------
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

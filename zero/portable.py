@@ -1,0 +1,455 @@
+"""Portable checkpoints: :func:`save_checkpoint` on N ranks, :func:`load_checkpoint` on M, at any stage.
+
+Every rank calls both. Saving, each rank writes what it alone owns (its chunk of every bucket:
+master weights or parameters, and the optimizer state beside them; at stage 0, where every
+rank owns everything, bucket ``b`` is written by rank ``b mod N``), plus its share of the
+tensors kept whole (frozen parameters at stages 0-2, buffers). Rank 0 then writes
+``metadata.json`` (see :mod:`zero.checkpoint_files`) and renames the directory into place.
+Loading, each rank reads the ranges it owns now from whichever files hold them.
+
+Notes:
+
+* **Atomic.** A save goes to ``PATH.partial``; only when every rank has written and fsynced its
+  part and rank 0 has written the metadata (with each entry's CRC-32) is it renamed to ``PATH``.
+  Saving over an existing checkpoint renames the old one to ``PATH.replaced`` for the moment
+  between the two renames; :func:`load_checkpoint` falls back to it if a crash left only it.
+* **Checked before anything changes.** A load checks the metadata against the model and optimizer
+  and verifies the CRC of every byte this rank will read, on every rank, and the ranks agree, before
+  the first value is written. A refused load leaves the running model and optimizer untouched.
+* **Never hangs on one rank's error.** Each phase ends with a small all-gather of every rank's
+  outcome (with the communicator's timeout), so an error on one rank is raised on all of them.
+* **Why not torch.distributed.checkpoint.** DCP reshards on load too, but its metadata is a pickle
+  (loading one runs code), it has no checksums, and it writes into the target directory in place.
+  Our pieces are plain 1D ranges of flattened parameters, so the resharding is one intersection
+  (:meth:`Checkpoint.read`), and the files are safetensors that any tool reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from zero import tensorfile, tree
+from zero.bucket import Bucket, ParamSlot
+from zero.checkpoint import class_name
+from zero.checkpoint_files import (
+    FORMAT, METADATA, PARTIAL_SUFFIX, REPLACED_SUFFIX, Checkpoint, SavedPiece, check_coverage, part_name,
+)
+from zero.comm import Communicator
+from zero.optimizer import ZeroOptimizer
+from zero.progress import Progress, ProgressArg
+from zero.tensorfile import Spec
+
+_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
+
+
+@dataclass
+class Held:
+    """One tensor of the model's ``state_dict``: managed in a bucket (``slot``) or kept whole."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str  # "param" or "buffer"
+    slot: ParamSlot | None = None
+
+    @property
+    def saved_dtype(self) -> torch.dtype:
+        if self.slot is None:
+            return self.tensor.dtype
+        bucket = self.slot.bucket
+        return bucket.master.dtype if bucket.trainable else bucket.shard.dtype
+
+    def record(self) -> dict[str, Any]:
+        trainable = self.slot is not None and self.slot.bucket.trainable
+        return {
+            "kind": self.kind, "shape": list(self.tensor.shape), "dtype": tensorfile.dtype_code(self.saved_dtype),
+            "trainable": trainable, "group": self.slot.group_index if trainable else -1, "pieces": [],
+        }
+
+
+# ----- saving ------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: ZeroOptimizer,
+    *,
+    scheduler: Any = None,
+    extra: Any = None,
+    progress: ProgressArg = True,
+) -> Path:
+    """Save ``model`` and ``optimizer`` (and an LR ``scheduler``'s state, and ``extra``) to directory ``path``.
+
+    Call it on every rank. It loads at any world size and stage (:func:`load_checkpoint`), and
+    exports to one file with :func:`zero.consolidate`. ``extra`` is any tree of dicts, lists,
+    tuples, strings, numbers and tensors (a data loader's position, an RNG state): it is stored as
+    JSON plus tensors, never pickled. An existing checkpoint at ``path`` is replaced atomically;
+    anything else there is refused. ``progress``: print progress on rank 0 (``True``), nothing
+    (``False``) or a callable ``(bytes done, bytes total)``, called on every rank. Returns ``path``.
+    """
+    opt = _checked(model, optimizer)
+    comm = opt.comm
+    final = Path(path)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    _everywhere(comm, lambda: _prepare_directory(final, partial) if comm.rank == 0 else None, "preparing the save")
+    opt.settle_for_checkpoint()
+    held, aliases = describe(model, opt)
+    state = {"param_groups": _hyperparameters(opt), "scheduler": _state_of(scheduler), "extra": extra,
+             "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+    tensors: list[torch.Tensor] = []
+    encoded = tree.encode(state, tensors) if comm.rank == 0 else None
+    writes = _my_writes(opt, held) + [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
+    report = progress if comm.rank == 0 or callable(progress) else False
+    meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
+    manifests = _everywhere(comm, lambda: _write_part(partial, comm, writes, meter), "writing its part", share=True)
+    meta = {
+        "format": FORMAT, "zero_version": _version(), "torch_version": torch.__version__,
+        "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
+        "optimizer_class": class_name(opt.inner), "step": max(m["step"] for m in manifests),
+        "tensors": {h.name: h.record() for h in held}, "aliases": aliases, "state": encoded,
+        "files": [{"name": part_name(r, comm.world_size), "bytes": m["bytes"], "entries": m["entries"]}
+                  for r, m in enumerate(manifests)],
+    }
+    if comm.rank == 0:
+        for rank, manifest in enumerate(manifests):
+            for name, pieces in manifest["pieces"].items():
+                meta["tensors"][name]["pieces"].extend([rank, *piece] for piece in pieces)
+    _everywhere(comm, lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
+    meter.finish(f"saved {final} ({comm.world_size} part{'s' if comm.world_size > 1 else ''})")
+    return final
+
+
+def describe(model: torch.nn.Module, opt: ZeroOptimizer) -> tuple[list[Held], dict[str, str]]:
+    """The model's ``state_dict`` tensors by first name, and its other names (tied parameters): ``{alias: name}``."""
+    slot_of = {id(s.param): s for b in opt.buckets for s in b.slots}
+    params = {id(p) for p in model.parameters()}
+    held: list[Held] = []
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"the model's state_dict entry {name!r} is a {type(value).__name__}, not a tensor; "
+                             "save it through extra= instead")
+        if id(value) in first:
+            aliases[name] = first[id(value)]
+            continue
+        first[id(value)] = name
+        slot = slot_of.get(id(value))
+        held.append(Held(name, value, "param" if id(value) in params else "buffer", slot))
+    missing = [s.name for s in slot_of.values() if s.name not in first.values()]
+    if missing:
+        raise ValueError(f"parameters {missing[:3]} are managed by the optimizer but not in model.state_dict()")
+    return held, aliases
+
+
+def _my_writes(opt: ZeroOptimizer, held: list[Held]) -> list[tuple[Spec, Callable[[], torch.Tensor]]]:
+    """What this rank writes: its chunk of each bucket it writes (values and optimizer state, piece by
+    piece), and its share of the tensors kept whole."""
+    comm = opt.comm
+    writes: list[tuple[Spec, Callable[[], torch.Tensor]]] = []
+    for bucket in opt.buckets:
+        if _writer(bucket, comm) != comm.rank:
+            continue
+        source = bucket.master if bucket.trainable else bucket.shard
+        slot_of = {s.span.param_index: s for s in bucket.slots}
+        local = {(p.slot.name, p.piece.param_start): p.tensor for p in bucket.pieces}
+        for piece in bucket.layout.pieces(bucket.shard_index):
+            slot = slot_of[piece.param_index]
+            key = f"{slot.name}/{piece.param_start}"
+            values = source.narrow(0, piece.chunk_start, piece.numel)
+            writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
+            tensor = local.get((slot.name, piece.param_start))
+            for state_name, value in opt.inner.state.get(tensor, {}).items() if tensor is not None else ():
+                if not isinstance(value, torch.Tensor) or value.dim() not in (0, 1):
+                    raise ValueError(f"optimizer state {state_name!r} of {slot.name!r} is not a tensor of the "
+                                     "piece's size or a scalar tensor; this optimizer cannot be checkpointed")
+                writes.append((Spec(f"s/{key}/{state_name}", value.dtype, tuple(value.shape)), lambda v=value: v))
+    whole = [h for h in held if h.slot is None]
+    for i, h in enumerate(whole):
+        if i % comm.world_size == comm.rank:
+            writes.append((Spec(f"w/{h.name}", h.tensor.dtype, tuple(h.tensor.shape)), lambda t=h.tensor: t.detach()))
+    return writes
+
+
+def _writer(bucket: Bucket, comm: Communicator) -> int:
+    """The rank that writes ``bucket``'s chunk: its owner, or at stage 0 (one shard) rank ``index mod N``."""
+    return bucket.shard_index if bucket.layout.num_shards > 1 else bucket.index % comm.world_size
+
+
+def _write_part(partial: Path, comm: Communicator, writes, meter: Progress) -> dict[str, Any]:
+    """Write this rank's file; return its manifest (entries, pieces by parameter, size, largest ``step``)."""
+    file = partial / part_name(comm.rank, comm.world_size)
+    specs = [spec for spec, _ in writes]
+    entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance)
+    pieces: dict[str, list] = {}
+    for spec in specs:
+        kind, _, rest = spec.key.partition("/")
+        if kind == "v":
+            name, _, start = rest.rpartition("/")
+            state = {s.key.rpartition("/")[2]: s.key for s in specs if s.key.startswith(f"s/{rest}/")}
+            pieces.setdefault(name, []).append([int(start), spec.shape[0], spec.key, state])
+        elif kind == "w":
+            pieces.setdefault(rest, []).append([0, spec.nbytes // spec.dtype.itemsize, spec.key, {}])
+    steps = [float(t) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")
+             for t in [make()]]
+    return {"entries": {k: e.to_json() for k, e in entries.items()}, "pieces": pieces,
+            "bytes": file.stat().st_size, "step": int(max(steps, default=0))}
+
+
+def _prepare_directory(final: Path, partial: Path) -> None:
+    """Refuse to replace something that is not a checkpoint; clear a partial save left by a crash."""
+    if final.exists() and not (final / METADATA).is_file():
+        raise FileExistsError(f"{final} exists and is not a zero checkpoint (no {METADATA}); refusing to replace it. "
+                              "Choose another path or remove it.")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+
+
+def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Write the metadata last, then rename the directory into place (the old checkpoint set aside meanwhile)."""
+    for name, record in meta["tensors"].items():
+        record["pieces"].sort(key=lambda p: p[1])
+        check_coverage(name, math.prod(record["shape"]), [SavedPiece(*p) for p in record["pieces"]], partial)
+    tmp = partial / (METADATA + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(partial / METADATA)
+    _fsync_dir(partial)
+    replaced = final.with_name(final.name + REPLACED_SUFFIX)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    if final.exists():
+        final.rename(replaced)
+    partial.rename(final)
+    _fsync_dir(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+# ----- loading ----------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: ZeroOptimizer | None = None,
+    *,
+    scheduler: Any = None,
+    progress: ProgressArg = True,
+) -> Any:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any world size and stage; return its ``extra``.
+
+    Call it on every rank, after building the model and its ``ZeroOptimizer`` as for training (any
+    stage, world size, precision or offload; the optimizer's class and parameter groups as when
+    saved: their hyperparameters, e.g. the learning rate, come from the checkpoint). Restores the
+    parameters (from the fp32 master weights when they were saved), buffers, the optimizer state,
+    the loss scale and, if given, ``scheduler``. With ``optimizer=None`` it loads only the weights
+    into a plain, unwrapped model (single process). Everything is checked first (the model's names
+    and shapes, the optimizer, the files' sizes and checksums): a refused load changes nothing.
+    """
+    if optimizer is None:
+        return _load_plain(path, model, progress)
+    opt = _checked(model, optimizer)
+    comm = opt.comm
+    ckpt = _everywhere(comm, lambda: Checkpoint(path), "opening the checkpoint")
+    try:
+        report = progress if comm.rank == 0 or callable(progress) else False
+        plan = _everywhere(comm, lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
+        opt.settle_for_checkpoint()
+        _apply(ckpt, opt, plan)
+        if scheduler is not None and plan.state["scheduler"] is not None:
+            scheduler.load_state_dict(plan.state["scheduler"])
+        plan.meter.finish(f"loaded {ckpt.path} (saved on {ckpt.meta['world_size']} ranks at stage {ckpt.meta['stage']})")
+        return plan.state["extra"]
+    finally:
+        ckpt.close()
+
+
+@dataclass
+class LoadPlan:
+    held: list[Held]
+    state: dict[str, Any]  # the decoded trees: param_groups, scheduler, extra, loss_scale
+    meter: Progress
+
+
+def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: ProgressArg) -> LoadPlan:
+    """Every check, and the checksums of everything this rank reads; nothing is changed."""
+    held, aliases = describe(model, opt)
+    _check_names(ckpt, held, aliases)
+    _check_optimizer(ckpt, opt, held)
+    keys = {(0, key) for key in ckpt.entries[0] if key.startswith("x/")}
+    for h in held:
+        for start, numel in _ranges(h, opt):
+            keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
+    meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
+    ckpt.verify(keys, on_bytes=meter.advance)
+    state = tree.decode(ckpt.meta["state"], ckpt.extra_tensor)
+    if len(state["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"{ckpt.path} was saved with {len(state['param_groups'])} param groups but the optimizer has "
+                         f"{len(opt.param_groups)}; build it with the same param groups as when it was saved")
+    return LoadPlan(held, state, meter)
+
+
+def _check_names(ckpt: Checkpoint, held: list[Held], aliases: dict[str, str]) -> None:
+    """Same state_dict names (tied names included) and shapes as the model that saved."""
+    saved = set(ckpt.tensors) | set(ckpt.meta["aliases"])
+    here = {h.name for h in held} | set(aliases)
+    if saved != here:
+        missing, unexpected = sorted(here - saved), sorted(saved - here)
+        raise ValueError(f"{ckpt.path} is a checkpoint of another model: the model has {missing[:4]} that it lacks, "
+                         f"and it has {unexpected[:4]} that the model lacks")
+    for alias, name in ckpt.meta["aliases"].items():
+        if name not in ckpt.tensors:
+            raise ValueError(f"{ckpt.path}: {alias!r} is an alias of {name!r}, which it does not hold; it is damaged")
+    for h in held:
+        name = ckpt.meta["aliases"].get(h.name, h.name)
+        shape = list(ckpt.tensors[name]["shape"])
+        if shape != list(h.tensor.shape):
+            raise ValueError(f"{ckpt.path} is a checkpoint of another model: {h.name!r} has shape {tuple(shape)} "
+                             f"there but {tuple(h.tensor.shape)} in the model")
+        check_coverage(name, ckpt.numel(name), ckpt.pieces[name], ckpt.path)
+
+
+def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, held: list[Held]) -> None:
+    """The same optimizer class, and every trainable parameter in the same param group."""
+    has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces)
+    if has_state and ckpt.meta["optimizer_class"] != class_name(opt.inner):
+        raise ValueError(f"{ckpt.path} holds the state of a {ckpt.meta['optimizer_class']} but this ZeroOptimizer wraps "
+                         f"a {class_name(opt.inner)}; wrap a {ckpt.meta['optimizer_class']} to resume from it")
+    for h in held:
+        if h.slot is None or not h.slot.bucket.trainable:
+            continue
+        record = ckpt.tensors[ckpt.meta["aliases"].get(h.name, h.name)]
+        if record["trainable"] and record["group"] != h.slot.group_index:
+            raise ValueError(f"{h.name!r} was in param group {record['group']} when saved but is in group "
+                             f"{h.slot.group_index} now; build the optimizer with the same param groups")
+
+
+def _ranges(h: Held, opt: ZeroOptimizer) -> list[tuple[int, int]]:
+    """The element ranges of ``h`` this rank holds: its pieces in its bucket's chunk, or all of it."""
+    if h.slot is None:
+        return [(0, h.tensor.numel())]
+    bucket = h.slot.bucket
+    return [(p.param_start, p.numel) for p in bucket.layout.pieces(bucket.shard_index)
+            if p.param_index == h.slot.span.param_index]
+
+
+def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
+    """Write the values into masters, shards and whole tensors; rebuild the optimizer state; share."""
+    aliases = ckpt.meta["aliases"]
+    with torch.no_grad():
+        for h in plan.held:
+            name = aliases.get(h.name, h.name)
+            if h.slot is None:
+                ckpt.read(name, 0, h.tensor.numel(), h.tensor.data.view(-1))
+                continue
+            bucket = h.slot.bucket
+            target = bucket.master if bucket.trainable else bucket.shard
+            for p in bucket.layout.pieces(bucket.shard_index):
+                if p.param_index == h.slot.span.param_index:
+                    ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel))
+    opt.inner.state.clear()
+    piece_of = {id(p.tensor): p for b in opt.buckets for p in b.pieces}
+    state, groups, index = {}, [], 0
+    for group, hyper in zip(opt.inner.param_groups, plan.state["param_groups"]):
+        ids = []
+        for tensor in group["params"]:
+            piece = piece_of[id(tensor)]
+            saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start, piece.piece.numel)
+            if saved:
+                state[index] = saved
+            ids.append(index)
+            index += 1
+        groups.append({**hyper, "params": ids})
+    opt.finish_load({"state": state, "param_groups": groups}, plan.state["loss_scale"])
+
+
+def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: ProgressArg) -> Any:
+    """Weights only, into an unwrapped model (one process)."""
+    with Checkpoint(path) as ckpt:
+        sd = model.state_dict(keep_vars=True)
+        saved = set(ckpt.tensors) | set(ckpt.meta["aliases"])
+        if saved != set(sd):
+            raise ValueError(f"{ckpt.path} is a checkpoint of another model: the model has {sorted(set(sd) - saved)[:4]} "
+                             f"that it lacks, and it has {sorted(saved - set(sd))[:4]} that the model lacks")
+        names = {name: ckpt.meta["aliases"].get(name, name) for name in sd}
+        for name, tensor in sd.items():
+            if list(tensor.shape) != list(ckpt.tensors[names[name]]["shape"]):
+                raise ValueError(f"{ckpt.path}: {name!r} has shape {tuple(ckpt.tensors[names[name]]['shape'])} there "
+                                 f"but {tuple(tensor.shape)} in the model")
+        keys = {(0, key) for key in ckpt.entries[0] if key.startswith("x/")}
+        for name in set(names.values()):
+            check_coverage(name, ckpt.numel(name), ckpt.pieces[name], ckpt.path)
+            keys |= ckpt.keys_of(name, 0, ckpt.numel(name), state=False)
+        meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
+        ckpt.verify(keys, on_bytes=meter.advance)
+        state = tree.decode(ckpt.meta["state"], ckpt.extra_tensor)
+        with torch.no_grad():
+            for name, tensor in sd.items():
+                ckpt.read(names[name], 0, tensor.numel(), tensor.data.view(-1))
+        meter.finish(f"loaded the weights of {ckpt.path}")
+        return state["extra"]
+
+
+# ----- shared ------------------------------------------------------------------------------------------------
+
+
+def _checked(model: torch.nn.Module, optimizer: Any) -> ZeroOptimizer:
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise ValueError(f"save_checkpoint/load_checkpoint take the ZeroOptimizer that trains the model, got a "
+                         f"{type(optimizer).__name__}; wrap it in zero.ZeroOptimizer first")
+    if optimizer.module is not model:
+        raise ValueError("this ZeroOptimizer was built for another model; pass the model it wraps")
+    return optimizer
+
+
+def _everywhere(comm: Communicator, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
+    """Run ``fn`` on this rank, then hear every rank's outcome: an error on any rank is raised on all of them
+    (with that rank's message). Returns this rank's result, or with ``share`` every rank's (JSON values)."""
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+        error = err
+    outcomes = comm.all_gather_json({"error": None if error is None else [type(error).__name__, str(error)],
+                                     "result": result if share else None}, what=f"zero: {what}")
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome["error"] is not None:
+            kind, message = outcome["error"]
+            raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} failed while {what}: {message}")
+    return [o["result"] for o in outcomes] if share else result
+
+
+def _hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def _state_of(scheduler: Any) -> Any:
+    return scheduler.state_dict() if scheduler is not None else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _version() -> str:
+    from zero import __version__
+
+    return __version__
