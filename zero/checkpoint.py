@@ -109,8 +109,8 @@ def _compare_run(saved: dict[str, Any], here: dict[str, Any]) -> None:
     if saved["world_size"] != here["world_size"]:
         raise ValueError(
             f"this checkpoint was saved at world size {saved['world_size']} but this run has world size "
-            f"{here['world_size']}. Loading on a different world size (resharding) is not supported yet: "
-            f"resume on {saved['world_size']} ranks."
+            f"{here['world_size']}. This per-rank shard loads only at the world size that saved it: resume on "
+            f"{saved['world_size']} ranks, or save with zero.save_checkpoint(), which loads at any world size."
         )
     for key in ("stage", "rank"):
         if saved[key] != here[key]:

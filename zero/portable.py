@@ -423,7 +423,7 @@ def _everywhere(comm: Communicator, fn: Callable[[], Any], what: str, *, share: 
     except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
         error = err
     outcomes = comm.all_gather_json({"error": None if error is None else [type(error).__name__, str(error)],
-                                     "result": result if share else None}, what=f"zero: {what}")
+                                     "result": result if share else None}, what=what)
     if error is not None:
         raise error
     for rank, outcome in enumerate(outcomes):

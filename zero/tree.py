@@ -30,7 +30,7 @@ def encode(tree: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
         return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(tree)]
     if isinstance(tree, dict):
         if all(isinstance(k, str) for k in tree) and not any(k.startswith("__") and k.endswith("__") for k in tree):
-            return {k: encode(v, tensors, f"{path}.{k}") for k, v in tree.items()}
+            return {k: encode(v, tensors, f"{path}.{k}" if path else k) for k, v in tree.items()}
         bad = [k for k in tree if not isinstance(k, _SCALARS)]
         if bad:
             raise ValueError(f"cannot save the dict key {bad[0]!r} at {path or 'the top'}: keys must be str, int, float, bool or None")
