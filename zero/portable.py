@@ -99,17 +99,24 @@ def save_checkpoint(
     comm = opt.comm
     final = Path(path)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    _everywhere(comm, lambda: _prepare_directory(final, partial) if comm.rank == 0 else None, "preparing the save")
     opt.settle_for_checkpoint()
-    held, aliases = describe(model, opt)
-    state = {"param_groups": _hyperparameters(opt), "scheduler": _state_of(scheduler), "extra": extra,
-             "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
-    tensors: list[torch.Tensor] = []
-    encoded = tree.encode(state, tensors) if comm.rank == 0 else None
-    writes = _my_writes(opt, held) + [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
+
+    def prepare() -> tuple:
+        held, aliases = describe(model, opt)
+        state = {"param_groups": _hyperparameters(opt), "scheduler": _state_of(scheduler), "extra": extra,
+                 "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+        tensors: list[torch.Tensor] = []
+        encoded = tree.encode(state, tensors)  # on every rank: a bad ``extra`` fails everywhere, before any write
+        writes, pieces = _my_writes(opt, held)
+        if comm.rank == 0:
+            writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
+            _prepare_directory(final, partial)
+        return held, aliases, encoded, writes, pieces
+
+    held, aliases, encoded, writes, pieces = _everywhere(comm, prepare, "preparing the save")
     report = progress if comm.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
-    manifests = _everywhere(comm, lambda: _write_part(partial, comm, writes, meter), "writing its part", share=True)
+    manifests = _everywhere(comm, lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part", share=True)
     meta = {
         "format": FORMAT, "zero_version": _version(), "torch_version": torch.__version__,
         "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
@@ -118,10 +125,9 @@ def save_checkpoint(
         "files": [{"name": part_name(r, comm.world_size), "bytes": m["bytes"], "entries": m["entries"]}
                   for r, m in enumerate(manifests)],
     }
-    if comm.rank == 0:
-        for rank, manifest in enumerate(manifests):
-            for name, pieces in manifest["pieces"].items():
-                meta["tensors"][name]["pieces"].extend([rank, *piece] for piece in pieces)
+    for rank, manifest in enumerate(manifests):
+        for name, records in manifest["pieces"].items():
+            meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
     _everywhere(comm, lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
     meter.finish(f"saved {final} ({comm.world_size} part{'s' if comm.world_size > 1 else ''})")
     return final
@@ -150,11 +156,16 @@ def describe(model: torch.nn.Module, opt: ZeroOptimizer) -> tuple[list[Held], di
     return held, aliases
 
 
-def _my_writes(opt: ZeroOptimizer, held: list[Held]) -> list[tuple[Spec, Callable[[], torch.Tensor]]]:
+Write = tuple[Spec, Callable[[], torch.Tensor]]
+
+
+def _my_writes(opt: ZeroOptimizer, held: list[Held]) -> tuple[list[Write], dict[str, list]]:
     """What this rank writes: its chunk of each bucket it writes (values and optimizer state, piece by
-    piece), and its share of the tensors kept whole."""
+    piece) and its share of the tensors kept whole; and those pieces by tensor name, as the metadata
+    records them: ``[start, numel, value key, {state name: key}]``."""
     comm = opt.comm
-    writes: list[tuple[Spec, Callable[[], torch.Tensor]]] = []
+    writes: list[Write] = []
+    pieces: dict[str, list] = {}
     for bucket in opt.buckets:
         if _writer(bucket, comm) != comm.rank:
             continue
@@ -167,16 +178,20 @@ def _my_writes(opt: ZeroOptimizer, held: list[Held]) -> list[tuple[Spec, Callabl
             values = source.narrow(0, piece.chunk_start, piece.numel)
             writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
             tensor = local.get((slot.name, piece.param_start))
-            for state_name, value in opt.inner.state.get(tensor, {}).items() if tensor is not None else ():
+            state = opt.inner.state.get(tensor, {}) if tensor is not None else {}
+            for state_name, value in state.items():
                 if not isinstance(value, torch.Tensor) or value.dim() not in (0, 1):
                     raise ValueError(f"optimizer state {state_name!r} of {slot.name!r} is not a tensor of the "
                                      "piece's size or a scalar tensor; this optimizer cannot be checkpointed")
                 writes.append((Spec(f"s/{key}/{state_name}", value.dtype, tuple(value.shape)), lambda v=value: v))
+            record = [piece.param_start, piece.numel, f"v/{key}", {n: f"s/{key}/{n}" for n in state}]
+            pieces.setdefault(slot.name, []).append(record)
     whole = [h for h in held if h.slot is None]
     for i, h in enumerate(whole):
         if i % comm.world_size == comm.rank:
             writes.append((Spec(f"w/{h.name}", h.tensor.dtype, tuple(h.tensor.shape)), lambda t=h.tensor: t.detach()))
-    return writes
+            pieces[h.name] = [[0, h.tensor.numel(), f"w/{h.name}", {}]]
+    return writes, pieces
 
 
 def _writer(bucket: Bucket, comm: Communicator) -> int:
@@ -184,22 +199,13 @@ def _writer(bucket: Bucket, comm: Communicator) -> int:
     return bucket.shard_index if bucket.layout.num_shards > 1 else bucket.index % comm.world_size
 
 
-def _write_part(partial: Path, comm: Communicator, writes, meter: Progress) -> dict[str, Any]:
-    """Write this rank's file; return its manifest (entries, pieces by parameter, size, largest ``step``)."""
+def _write_part(partial: Path, comm: Communicator, writes: list[Write], pieces: dict[str, list],
+                meter: Progress) -> dict[str, Any]:
+    """Write this rank's file; return its manifest (entries, pieces by tensor name, size, largest ``step``)."""
     file = partial / part_name(comm.rank, comm.world_size)
     specs = [spec for spec, _ in writes]
     entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance)
-    pieces: dict[str, list] = {}
-    for spec in specs:
-        kind, _, rest = spec.key.partition("/")
-        if kind == "v":
-            name, _, start = rest.rpartition("/")
-            state = {s.key.rpartition("/")[2]: s.key for s in specs if s.key.startswith(f"s/{rest}/")}
-            pieces.setdefault(name, []).append([int(start), spec.shape[0], spec.key, state])
-        elif kind == "w":
-            pieces.setdefault(rest, []).append([0, spec.nbytes // spec.dtype.itemsize, spec.key, {}])
-    steps = [float(t) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")
-             for t in [make()]]
+    steps = [float(make()) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")]
     return {"entries": {k: e.to_json() for k, e in entries.items()}, "pieces": pieces,
             "bytes": file.stat().st_size, "step": int(max(steps, default=0))}
 

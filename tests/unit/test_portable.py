@@ -297,3 +297,34 @@ def test_parse_size():
     assert parse_size(1234) == 1234
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size("lots")
+
+
+def test_hugging_face_gpt2_export_loads_with_from_pretrained(tmp_path):
+    """Stage 3, bf16 with fp32 masters, the first block frozen: the sharded export plus the config is a
+    directory ``from_pretrained`` loads, with the head tied to the embedding again and every weight equal
+    to the gathered parameters (cast)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".h.0." not in name)
+    inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = zero.ZeroOptimizer(inner, model, stage=3, precision=MIXED)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    zero.save_checkpoint(tmp_path / "ckpt", model, opt, progress=False)
+    assert Checkpoint(tmp_path / "ckpt").meta["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
+    files = zero.consolidate(tmp_path / "ckpt", tmp_path / "hf", max_shard_size="60KB", progress=False)
+    assert files[-1].name == "model.safetensors.index.json" and len(files) > 2
+    config.save_pretrained(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    with opt.gathered_parameters():
+        gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    state = loaded.state_dict()
+    for name, value in gathered.items():
+        assert torch.equal(state[name].to(value.dtype), value), name
