@@ -3,7 +3,8 @@
 
 One process (world size 1; each rank writes its own part in parallel, so N ranks on N disks scale
 this). The model takes one AdamW step so that the optimizer state exists, then, interleaved for
-``--repeats`` rounds: ``zero.save_checkpoint`` (every file fsynced, CRC-32 computed), ``torch.save`` of
+``--repeats`` rounds (the ratios printed are medians of each round's ratio, since this machine's disk
+and page cache are noisy): ``zero.save_checkpoint`` (every file fsynced, CRC-32 computed), ``torch.save`` of
 the model's and the optimizer's state dicts with and without an fsync, ``zero.load_checkpoint`` into a
 second model and optimizer (CRCs verified first, then the ranges read), and ``torch.load``. Reads come
 from the page cache on a machine with enough memory (the files were just written), for both.
@@ -95,7 +96,7 @@ def export(checkpoint: Path, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", default=None)
     add_gpt_arguments(parser, vocab=50257, seq_len=16, d_model=1024, layers=24, heads=16)
@@ -128,6 +129,11 @@ def main() -> None:
         nbytes = sizes["zero" if name.startswith("zero") else "torch"]
         rows[name] = {"seconds": statistics.median(samples), "GB/s": nbytes / statistics.median(samples) / 1e9}
         print(f"{name:>20}: {rows[name]['seconds']:6.2f} s  {rows[name]['GB/s']:5.2f} GB/s  ({nbytes / 1e9:.2f} GB)")
+    for ours, theirs in (("zero save", "torch.save"), ("zero save", "torch.save + fsync"), ("zero load", "torch.load")):
+        ratios = sorted((sizes["zero"] / a) / (sizes["torch"] / b) for a, b in zip(times[ours], times[theirs]))
+        rows[f"{ours} / {theirs}"] = {"median": statistics.median(ratios), "range": [ratios[0], ratios[-1]]}
+        print(f"{ours} throughput / {theirs}: median {statistics.median(ratios):.2f} of {len(ratios)} rounds "
+              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     assert torch.equal(torch.cat([p.flatten() for p in model2.parameters()]), torch.cat([p.flatten() for p in model.parameters()]))
     exports = {}
     for out in ("hf", "model.pt"):

@@ -24,6 +24,7 @@ save and is refused.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,10 +96,14 @@ class Checkpoint:
         self.tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
         self.pieces = {name: [SavedPiece(*p) for p in t["pieces"]] for name, t in self.tensors.items()}
         self._handles: dict[int, BinaryIO] = {}
+        self._maps: dict[int, mmap.mmap] = {}
 
     def close(self) -> None:
+        for mapped in self._maps.values():
+            mapped.close()
         for handle in self._handles.values():
             handle.close()
+        self._maps.clear()
         self._handles.clear()
 
     def __enter__(self) -> "Checkpoint":
@@ -119,7 +124,7 @@ class Checkpoint:
         that did not :meth:`verify` first)."""
         for piece in self.overlapping(name, start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.end)
-            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo))
+            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo), crc=check)
             recorded = self.entries[piece.file][piece.value].crc32
             if check and crc is not None and crc != recorded:
                 raise ValueError(self._corrupted(piece.file, piece.value, crc, recorded))
@@ -174,7 +179,7 @@ class Checkpoint:
         """Check the CRC-32 of every entry in ``keys``; raise a ValueError naming the file and entry on a mismatch."""
         for file, key in sorted(keys):
             entry = self.entries[file][key]
-            got = tensorfile.crc32_of(self._handle(file), entry, str(self.files[file]))
+            got = tensorfile.crc32_of(self._mapped(file), entry)
             if got != entry.crc32:
                 raise ValueError(self._corrupted(file, key, got, entry.crc32))
             if on_bytes is not None:
@@ -185,9 +190,9 @@ class Checkpoint:
         self._read_into(file, key, start, out)
         return out
 
-    def _read_into(self, file: int, key: str, start: int, out: torch.Tensor) -> int | None:
+    def _read_into(self, file: int, key: str, start: int, out: torch.Tensor, crc: bool = False) -> int | None:
         entry = self._entry(file, key, start, out.numel())
-        return tensorfile.read_into(self._handle(file), entry, start, out, str(self.files[file]))
+        return tensorfile.read_into(self._handle(file), entry, start, out, str(self.files[file]), crc=crc)
 
     def _entry(self, file: int, key: str, start: int, numel: int) -> Entry:
         entry = self.entries[file].get(key)
@@ -200,6 +205,11 @@ class Checkpoint:
     def _corrupted(self, file: int, key: str, got: int, recorded: int) -> str:
         return (f"{self.files[file]} is corrupted: the bytes of {key!r} have CRC-32 {got:#010x} but {recorded:#010x} "
                 "was recorded when it was saved; restore the file or load an earlier checkpoint")
+
+    def _mapped(self, file: int) -> mmap.mmap:
+        if file not in self._maps:
+            self._maps[file] = mmap.mmap(self._handle(file).fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[file]
 
     def _handle(self, file: int) -> BinaryIO:
         if file not in self._handles:

@@ -9,15 +9,17 @@ anything (unlike a pickle).
 Writing is streamed: the header is computed from the tensors' shapes and dtypes first, then
 each tensor is copied to the file in chunks of at most :data:`CHUNK_BYTES` (device tensors
 are copied to the host a chunk at a time), with a CRC-32 of each tensor's bytes computed on
-the way. The caller gets, per key, the tensor's absolute byte offset in the file, its size and
+the way (on a second thread, overlapping the writes). The caller gets, per key, the tensor's absolute byte offset in the file, its size and
 its CRC, which is what reading a range and verifying need.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable
 
@@ -100,13 +102,13 @@ def write(
     text += b" " * (-len(text) % 8)
     base = 8 + len(text)
     entries: dict[str, Entry] = {}
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as crcs:
         f.write(len(text).to_bytes(8, "little") + text)
         position = 0
         for spec, tensor in zip(specs, tensors, strict=True):
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
                 raise ValueError(f"{spec.key}: got {tensor.dtype} {tuple(tensor.shape)}, expected {spec.dtype} {spec.shape}")
-            crc = _write_tensor(f, tensor, on_bytes)
+            crc = _write_tensor(f, tensor, crcs, on_bytes)
             entries[spec.key] = Entry(dtype_code(spec.dtype), spec.shape, base + position, spec.nbytes, crc)
             position += spec.nbytes
         f.flush()
@@ -114,18 +116,19 @@ def write(
     return entries
 
 
-def _write_tensor(f: BinaryIO, tensor: torch.Tensor, on_bytes: Callable[[int], None] | None) -> int:
-    """Stream one tensor's bytes to ``f`` chunk by chunk; return their CRC-32."""
+def _write_tensor(f: BinaryIO, tensor: torch.Tensor, crcs: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None) -> int:
+    """Stream one tensor's bytes to ``f`` chunk by chunk; return their CRC-32. Each chunk's CRC is computed on
+    another thread while the chunk is written (both release the GIL)."""
     flat = tensor.detach().reshape(-1)
     step = max(1, CHUNK_BYTES // max(1, flat.element_size()))
-    crc = 0
+    crc: Future | None = None
     for lo in range(0, flat.numel(), step):
         chunk = flat[lo : lo + step].to("cpu").contiguous().view(torch.uint8).numpy()
+        crc = crcs.submit(zlib.crc32, chunk.data, crc.result() if crc is not None else 0)
         f.write(chunk.data)
-        crc = zlib.crc32(chunk.data, crc)
         if on_bytes is not None:
             on_bytes(chunk.nbytes)
-    return crc
+    return crc.result() if crc is not None else 0
 
 
 def read_bytes(f: BinaryIO, offset: int, nbytes: int, what: str) -> torch.Tensor:
@@ -138,10 +141,10 @@ def read_bytes(f: BinaryIO, offset: int, nbytes: int, what: str) -> torch.Tensor
     return out
 
 
-def read_into(f: BinaryIO, entry: Entry, start: int, out: torch.Tensor, what: str) -> int | None:
+def read_into(f: BinaryIO, entry: Entry, start: int, out: torch.Tensor, what: str, *, crc: bool = False) -> int | None:
     """Copy elements ``[start, start + out.numel())`` of the flattened tensor ``entry`` into ``out`` (1D, any
     dtype or device). Read straight into ``out`` when it is a contiguous CPU tensor of the entry's dtype, else
-    through a host buffer. Returns the CRC-32 of the bytes read when they are the whole entry, else ``None``."""
+    through a host buffer. With ``crc``, returns the CRC-32 of the bytes read when they are the whole entry."""
     dtype = entry.torch_dtype
     offset, nbytes = entry.offset + start * dtype.itemsize, out.numel() * dtype.itemsize
     direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
@@ -154,13 +157,10 @@ def read_into(f: BinaryIO, entry: Entry, start: int, out: torch.Tensor, what: st
     else:
         raw = read_bytes(f, offset, nbytes, what)
         out.copy_(raw.view(dtype))
-    return zlib.crc32(raw.numpy().data) if nbytes == entry.nbytes else None
+    return zlib.crc32(raw.numpy().data) if crc and nbytes == entry.nbytes else None
 
 
-def crc32_of(f: BinaryIO, entry: Entry, what: str) -> int:
-    """The CRC-32 of an entry's bytes, read chunk by chunk."""
-    crc = 0
-    for lo in range(0, entry.nbytes, CHUNK_BYTES):
-        n = min(CHUNK_BYTES, entry.nbytes - lo)
-        crc = zlib.crc32(read_bytes(f, entry.offset + lo, n, what).numpy().data, crc)
-    return crc
+def crc32_of(mapped: mmap.mmap, entry: Entry) -> int:
+    """The CRC-32 of an entry's bytes, read in place from the memory-mapped file (no copy)."""
+    with memoryview(mapped) as view:
+        return zlib.crc32(view[entry.offset : entry.offset + entry.nbytes])
