@@ -71,7 +71,8 @@ def consolidate(
             written = [_write_file(ckpt, specs, aliases, out, meter)]
         else:
             written = _write_directory(ckpt, specs, aliases, out, limit, meter)
-        meter.finish(f"exported {len(written)} file{'s' if len(written) > 1 else ''} to {out}")
+        tensor_files = [f for f in written if f.name != INDEX]
+        meter.finish(f"exported {len(tensor_files)} file{'s' if len(tensor_files) > 1 else ''} to {out}")
         return written
 
 

@@ -276,7 +276,8 @@ def load_checkpoint(
         _apply(ckpt, opt, plan)
         if scheduler is not None and plan.state["scheduler"] is not None:
             scheduler.load_state_dict(plan.state["scheduler"])
-        plan.meter.finish(f"loaded {ckpt.path} (saved on {ckpt.meta['world_size']} ranks at stage {ckpt.meta['stage']})")
+        ranks = ckpt.meta["world_size"]
+        plan.meter.finish(f"loaded {ckpt.path} (saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta['stage']})")
         return plan.state["extra"]
     finally:
         ckpt.close()
