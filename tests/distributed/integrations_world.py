@@ -1,0 +1,136 @@
+"""What each rank runs in the Hugging Face integration tests (``test_integrations_world.py``): the Trainer and
+an Accelerate loop, with ZeroOptimizer at stages 0-3 and with DDP (the baseline), on a GPT-2 from a config."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GLOBAL_ROWS, SEQ, VOCAB = 32, 16, 64
+STEPS = 4  # optimizer steps: 2 ranks x 2 rows x 2 micro-batches = 8 rows each
+
+
+def _env(rank: int, world_size: int) -> None:
+    """What torchrun would set: Accelerate reads it (the process group already exists)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "ACCELERATE_USE_CPU": "true"})
+
+
+def gpt2(seed: int = 0):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return GLOBAL_ROWS
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_runs(rank: int, world_size: int, root: str) -> dict:
+    """DDP Trainer, then ZeroTrainer at stages 0-3: per-step loss and grad norm; stage 2 and 3 resume from a
+    checkpoint; the exported model of stage 3."""
+    _env(rank, world_size)
+    from transformers import Trainer, TrainingArguments
+
+    from zero import ZeroConfig
+    from zero.integrations.transformers import ZeroTrainer
+
+    def args(out: str, **over):
+        settings = dict(
+            output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+            learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1,
+            logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0,
+            ddp_backend="gloo", disable_tqdm=True, dataloader_num_workers=0)
+        return TrainingArguments(**{**settings, **over})
+
+    def logs(trainer) -> dict:
+        rows = [r for r in trainer.state.log_history if "loss" in r]
+        return {"loss": [r["loss"] for r in rows], "grad_norm": [float(r["grad_norm"]) for r in rows]}
+
+    out = {}
+    base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
+    base.train()
+    out["ddp"] = logs(base)
+    out["ddp_wrapped"] = type(base.model_wrapped).__name__
+    for stage in (0, 1, 2, 3):
+        trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/stage{stage}"), train_dataset=Tokens(),
+                              zero_config=ZeroConfig(stage=stage))
+        trainer.train()
+        out[f"stage{stage}"] = logs(trainer)
+        out[f"stage{stage}_wrapped"] = type(trainer.model_wrapped).__name__
+    # a checkpoint after step 2, resumed by a new trainer at another stage
+    trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/ckpt", save_strategy="steps", save_steps=2),
+                          train_dataset=Tokens(), zero_config=ZeroConfig(stage=2))
+    trainer.train()
+    out["saving"] = logs(trainer)
+    resumed = ZeroTrainer(model=gpt2(seed=1), args=args(f"{root}/ckpt"), train_dataset=Tokens(),
+                          zero_config=ZeroConfig(stage=3))
+    resumed.train(resume_from_checkpoint=f"{root}/ckpt/checkpoint-2")
+    out["resumed"] = logs(resumed)
+    resumed.save_model(f"{root}/final")
+    with resumed.zero_optimizer.gathered_parameters():
+        out["gathered"] = {k: v.clone() for k, v in resumed.model.state_dict().items()}
+    return out
+
+
+def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
+    """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at stages 0-3; then
+    save_state / load_state through the helper's hooks."""
+    _env(rank, world_size)
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    import zero.integrations.accelerate as zacc
+
+    def run(stage: int | None, steps=range(STEPS), state_in: str | None = None, state_out: str | None = None) -> dict:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+        model = gpt2(seed=0 if state_in is None else 1)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+        if stage is None:
+            model, opt, loader = accelerator.prepare(model, inner, loader)
+        else:
+            model, opt, loader = zacc.prepare(accelerator, model, inner, loader, stage=stage, bucket_size_mb=0.01)
+        scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        if state_in is not None:
+            accelerator.load_state(state_in)  # the helper's hook loads the model and optimizer
+            loader = accelerator.skip_first_batches(loader, 2 * (STEPS - len(steps)))
+        losses, norms, done = [], [], 0
+        for i, batch in enumerate(loader):
+            if done == len(steps):
+                break
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), 0.5) if stage is None else opt.clip_grad_norm_(0.5)
+                    norms.append(float(norm))
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+            if accelerator.sync_gradients:
+                done += 1
+                if state_out is not None and done == 2:
+                    accelerator.save_state(state_out)
+        return {"losses": losses, "norms": norms, "wrapped": type(model).__name__}
+
+    out = {"ddp": run(None)}
+    for stage in (0, 1, 2, 3):
+        out[f"stage{stage}"] = run(stage)
+    out["saving"] = run(2, state_out=f"{root}/accel")
+    out["resumed"] = run(3, steps=range(2, STEPS), state_in=f"{root}/accel")
+    return out

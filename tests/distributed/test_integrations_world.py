@@ -1,0 +1,73 @@
+"""Hugging Face Trainer and Accelerate with ZeroOptimizer at stages 0-3 in a real 2-rank gloo world, against the
+same Trainer / Accelerate loop with DDP (``integrations_world``): GPT-2 from a config, AdamW with weight-decay
+groups, a linear or step LR schedule, clipping at 0.5 and 2 accumulation micro-batches per step.
+
+Tolerances as in ``test_world.py``: losses 1e-5 relative, gradient norms 1e-6 relative (the same gradients,
+summed in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_world
+from tests.distributed.integrations_world import STEPS, accelerate_runs, trainer_runs
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    return run_world(trainer_runs, 2, str(root))[0], root
+
+
+@pytest.fixture(scope="module")
+def accelerated(tmp_path_factory):
+    return run_world(accelerate_runs, 2, str(tmp_path_factory.mktemp("accelerate")))[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_trainer_equals_the_ddp_trainer(trainer, stage):
+    runs, _ = trainer
+    ours, ddp = runs[f"stage{stage}"], runs["ddp"]
+    assert runs["ddp_wrapped"] == "DistributedDataParallel"
+    assert runs[f"stage{stage}_wrapped"] == "GPT2LMHeadModel"  # never wrapped in DDP
+    assert len(ours["loss"]) == len(ours["grad_norm"]) == STEPS
+    assert ours["loss"] == pytest.approx(ddp["loss"], rel=LOSS_RTOL)
+    assert ours["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=NORM_RTOL)  # the global norm, logged
+    assert max(ours["grad_norm"]) > 0.5  # clipping at 0.5 was active
+
+
+def test_trainer_checkpoint_resumes_at_another_stage_and_exports(trainer):
+    runs, root = trainer
+    saving, resumed = runs["saving"], runs["resumed"]  # saved at step 2 by stage 2; resumed by stage 3
+    assert resumed["loss"][2:] == pytest.approx(saving["loss"][2:], rel=LOSS_RTOL)
+    assert resumed["grad_norm"][2:] == pytest.approx(saving["grad_norm"][2:], rel=NORM_RTOL)
+    assert (root / "ckpt" / "checkpoint-2" / "zero_checkpoint" / "metadata.json").is_file()
+    assert not (root / "final" / "zero_checkpoint").exists()  # save_model keeps only the export
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(root / "final")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    state = loaded.state_dict()
+    for name, value in runs["gathered"].items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accelerate_helper_equals_ddp(accelerated, stage):
+    ours, ddp = accelerated[f"stage{stage}"], accelerated["ddp"]
+    assert ddp["wrapped"] == "DistributedDataParallel" and ours["wrapped"] == "GPT2LMHeadModel"
+    assert len(ours["norms"]) == STEPS and len(ours["losses"]) == 2 * STEPS
+    assert ours["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL)
+    assert ours["norms"] == pytest.approx(ddp["norms"], rel=NORM_RTOL)
+
+
+def test_accelerate_save_state_and_load_state(accelerated):
+    saving, resumed = accelerated["saving"], accelerated["resumed"]  # saved after step 2 at stage 2; stage 3 resumes
+    assert resumed["losses"] == pytest.approx(saving["losses"][4:], rel=LOSS_RTOL)
+    assert resumed["norms"] == pytest.approx(saving["norms"][2:], rel=NORM_RTOL)

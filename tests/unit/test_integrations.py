@@ -1,0 +1,60 @@
+"""The Hugging Face integrations' refusals, in one process (the training paths: tests/distributed/
+test_integrations_world.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from tests.distributed.integrations_world import gpt2  # noqa: E402
+from zero import ZeroConfig, ZeroOptimizer  # noqa: E402
+from zero.integrations import accelerate as zacc  # noqa: E402
+from zero.integrations.transformers import ZeroTrainer  # noqa: E402
+
+
+def _args(tmp_path, **over):
+    return transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **over)
+
+
+def test_trainer_refuses_autocast_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"bf16=True/fp16=True.*precision=\{'param_dtype': 'bf16'\}"):
+        ZeroTrainer(model=gpt2(), args=_args(tmp_path, bf16=True), zero_config=ZeroConfig(stage=2))
+
+
+def test_trainer_refuses_a_scheduler_on_the_plain_optimizer(tmp_path):
+    model = gpt2()
+    plain = torch.optim.AdamW(model.parameters())
+    trainer = ZeroTrainer(model=model, args=_args(tmp_path), optimizers=(plain, torch.optim.lr_scheduler.StepLR(plain, 1)))
+    with pytest.raises(ValueError, match="scheduler was built on the plain optimizer"):
+        trainer.create_optimizer()
+
+
+def test_trainer_wraps_the_trainers_optimizer_with_its_groups(tmp_path):
+    model = gpt2()
+    trainer = ZeroTrainer(model=model, args=_args(tmp_path, learning_rate=3e-3, weight_decay=0.05),
+                          zero_config=ZeroConfig(stage=3))
+    opt = trainer.create_optimizer()
+    assert isinstance(opt, ZeroOptimizer) and opt is trainer.zero_optimizer
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]  # the Trainer's decay groups
+    assert all(g["lr"] == 3e-3 for g in opt.param_groups)
+    with model.no_sync():  # Accelerate's accumulation calls it: no reduction inside
+        assert not opt._reducer.sync_enabled
+
+
+def test_accelerate_helper_refusals():
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*precision=\\{'param_dtype': 'bf16'\\}"):
+        zacc.prepare(accelerator, gpt2(), torch.optim.AdamW(gpt2().parameters()))
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = gpt2()
+    plain = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="built on the plain optimizer"):
+        zacc.prepare(accelerator, model, plain, torch.optim.lr_scheduler.StepLR(plain, 1))
+    model, opt = zacc.prepare(accelerator, model, plain, stage=2)
+    assert isinstance(opt.optimizer, ZeroOptimizer) and opt.comm_stats == {}  # ZeroOptimizer's own API passes through
+    accelerate.state.AcceleratorState._reset_state(True)
