@@ -62,12 +62,14 @@ def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
     base.train()
     out["ddp"] = logs(base)
+    out["ddp_eval"] = base.evaluate(eval_dataset=Tokens())["eval_loss"]
     out["ddp_wrapped"] = type(base.model_wrapped).__name__
     for stage in (0, 1, 2, 3):
         trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/stage{stage}"), train_dataset=Tokens(),
                               zero_config=ZeroConfig(stage=stage))
         trainer.train()
         out[f"stage{stage}"] = logs(trainer)
+        out[f"stage{stage}_eval"] = trainer.evaluate(eval_dataset=Tokens())["eval_loss"]
         out[f"stage{stage}_wrapped"] = type(trainer.model_wrapped).__name__
     # a checkpoint after step 2, resumed by a new trainer at another stage
     trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/ckpt", save_strategy="steps", save_steps=2),

@@ -42,6 +42,7 @@ def test_trainer_equals_the_ddp_trainer(trainer, stage):
     assert ours["loss"] == pytest.approx(ddp["loss"], rel=LOSS_RTOL)
     assert ours["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=NORM_RTOL)  # the global norm, logged
     assert max(ours["grad_norm"]) > 0.5  # clipping at 0.5 was active
+    assert runs[f"stage{stage}_eval"] == pytest.approx(runs["ddp_eval"], rel=LOSS_RTOL)  # trainer.evaluate()
 
 
 def test_trainer_checkpoint_resumes_at_another_stage_and_exports(trainer):
