@@ -12,43 +12,46 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from zero.memory import zero_model_state_bytes
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import profile
+from zero.profiler.report_cli import launch_ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to launch (default 2)")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--world-size", type=positive_int, default=2, help="CPU ranks to launch (default 2)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                        help="ZeRO stages to train, in this order (default 0 1 2 3)")
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps per stage (default 30)")
     add_gpt_arguments(parser, vocab=512, seq_len=64, d_model=128, layers=2, heads=4)
-    parser.add_argument("--batch", type=int, default=0, help="global batch (default: 4 per rank)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch", type=int, default=0,
+                        help="global batch, a multiple of --world-size (default: 4 per rank)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (``ValueError``: the command line's error message)."""
+    gpt_config(args)
+    world = int(os.environ.get("WORLD_SIZE", args.world_size)) if "RANK" in os.environ else args.world_size
+    if args.batch < 0 or args.batch % world:
+        raise ValueError(f"--batch ({args.batch}) must be a positive multiple of the world size ({world}), "
+                         "or 0 for 4 per rank")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
 
 
 def main(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ:
-        return _relaunch_under_torchrun(args)
+        return launch_ranks(args, "demo")
     return _run_rank(args)
-
-
-def _relaunch_under_torchrun(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
-    print(f"zero demo: launching {args.world_size} CPU ranks with torchrun (gloo on 127.0.0.1)", flush=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}"]
-    cmd += ["-m", "zero", "demo"] + sys.argv[sys.argv.index("demo") + 1 :]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-    return subprocess.call(cmd, env=env)
 
 
 def _run_rank(args: argparse.Namespace) -> int:
@@ -58,7 +61,8 @@ def _run_rank(args: argparse.Namespace) -> int:
     batch = args.batch or 4 * world
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"GPT: d_model={cfg.d_model} layers={cfg.num_layers} vocab={cfg.vocab_size} seq={cfg.seq_len}; "
-        f"global batch {batch} over {world} ranks; AdamW; {args.steps} steps per stage", flush=True)
+        f"global batch {batch} over {world} rank{'' if world == 1 else 's'}; AdamW; "
+        f"{args.steps} step{'' if args.steps == 1 else 's'} per stage", flush=True)
     losses, memory = {}, {}
     for stage in args.stages:
         losses[stage], memory[stage], numel = _train(stage, cfg, batch, args, rank, world, say)

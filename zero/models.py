@@ -24,19 +24,41 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1 (a one-line usage error otherwise, never a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_gpt_arguments(
     parser: argparse.ArgumentParser, *, vocab: int, seq_len: int, d_model: int, layers: int, heads: int
 ) -> None:
-    """The ``--vocab --seq-len --d-model --layers --heads`` options, with the caller's defaults."""
-    parser.add_argument("--vocab", type=int, default=vocab)
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--d-model", type=int, default=d_model)
-    parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--heads", type=int, default=heads)
+    """The ``--vocab --seq-len --d-model --layers --heads`` options, with the caller's defaults; every one
+    must be >= 1, and :func:`gpt_config` checks that ``--d-model`` is a multiple of ``--heads``."""
+    parser.add_argument("--vocab", type=positive_int, default=vocab, help=f"vocabulary size (default {vocab})")
+    parser.add_argument("--seq-len", type=positive_int, default=seq_len,
+                        help=f"tokens per sequence (default {seq_len})")
+    parser.add_argument("--d-model", type=positive_int, default=d_model,
+                        help=f"model width, a multiple of --heads (default {d_model})")
+    parser.add_argument("--layers", type=positive_int, default=layers,
+                        help=f"transformer blocks (default {layers})")
+    parser.add_argument("--heads", type=positive_int, default=heads,
+                        help=f"attention heads; must divide --d-model (default {heads})")
 
 
 def gpt_config(args: argparse.Namespace) -> GPTConfig:
-    """The GPTConfig named by :func:`add_gpt_arguments`' options."""
+    """The GPTConfig named by :func:`add_gpt_arguments`' options; ``ValueError`` (phrased with the
+    options' names, for ``parser.error``) if they cannot make a model."""
+    if args.d_model % args.heads:
+        raise ValueError(
+            f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads}): each head gets "
+            f"d_model / heads dimensions"
+        )
     return GPTConfig(args.vocab, args.seq_len, args.d_model, args.layers, args.heads)
 
 

@@ -4,35 +4,81 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import time
+from typing import Any
 
 import torch
 
-from zero.models import GPT, add_gpt_arguments, gpt_config
-from zero.profiler.estimator import GiB, PRECISIONS, Estimate, parse_size, plan, trace
+from zero.config import ZeroConfig
+from zero.models import GPT, add_gpt_arguments, gpt_config, positive_int
+from zero.profiler.estimator import GiB, Estimate, plan, trace
+
+# ZeroConfig(precision=...) for each --precision the estimator prices (tests: the same bytes as PRECISIONS)
+PRECISION_POLICIES: dict[str, dict[str, str]] = {
+    "fp32": {},
+    "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
+    "mixed-fp32-reduce": {"param_dtype": "bf16"},
+}
+
+# a memory size on the command line: a number of GiB, or a number with a unit (case-insensitive)
+SIZE_UNITS = {
+    "": 2**30, "b": 1,
+    "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+SIZE_HELP = "a bare number is GiB; or give a unit: 24GiB, 80G (= GiB), 80GB (10^9 bytes), 512MiB"
+
+
+def memory_size(text: str) -> int:
+    """An argparse ``type`` for memory sizes: bytes from ``24`` (GiB: a bare number is never bytes),
+    ``24GiB``, ``80G`` (binary, like ``free -g``), ``80GB`` (decimal) or ``512MiB``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", text, re.IGNORECASE)
+    if match is None or match.group(2).lower() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} ({SIZE_HELP})")
+    value = round(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a memory size must be positive, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-memory", type=_size, required=True, help="per-GPU memory, e.g. 24GiB or 80GB")
-    parser.add_argument("--world-size", type=int, default=8, help="data-parallel ranks (GPUs)")
-    parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 2, 4, 8], help="sequences per rank")
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="mixed",
-                        help="fp32, or mixed (bf16/fp16 parameters and gradients, fp32 master weights)")
+    parser.add_argument("--gpu-memory", type=memory_size, required=True, metavar="SIZE",
+                        help=f"per-GPU memory, e.g. 24 or 80GB ({SIZE_HELP})")
+    parser.add_argument("--world-size", type=positive_int, default=8, help="data-parallel ranks, i.e. GPUs (default 8)")
+    parser.add_argument("--micro-batch", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                        help="sequences per rank; one or more sizes to try (default 1 2 4 8)")
+    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default="mixed",
+                        help="fp32; mixed (the ZeRO paper's: bf16 parameters, gradients and gradient reduction, "
+                        "fp32 master weights; the default); mixed-fp32-reduce (bf16 parameters and gradients, "
+                        "gradients reduced and kept in fp32)")
     add_gpt_arguments(parser, vocab=50304, seq_len=1024, d_model=2048, layers=24, heads=16)
-    parser.add_argument("--show", type=int, default=8, help="how many fitting and rejected configurations to list")
-    parser.add_argument("--json", type=str, default=None, help="also write every estimate to this file")
+    parser.add_argument("--show", type=positive_int, default=8,
+                        help="how many fitting and how many rejected configurations to list (default 8)")
+    parser.add_argument("--json", type=str, default=None, metavar="FILE",
+                        help="also write every estimate to this file")
 
 
-def _size(text: str) -> float:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
+    """The ``ZeroConfig`` / ``ZeroOptimizer`` keyword arguments of the configuration ``e`` prices
+    (only those that differ from the defaults, besides the stage)."""
+    kwargs: dict[str, Any] = {"stage": e.stage}
+    if PRECISION_POLICIES[e.precision]:
+        kwargs["precision"] = PRECISION_POLICIES[e.precision]
+    if e.offload:
+        kwargs["offload"] = {"optimizer": "cpu"}
+    if e.checkpointing:
+        kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
+    return kwargs
+
+
+def zero_config(e: Estimate) -> ZeroConfig:
+    """The validated :class:`zero.ZeroConfig` that runs the configuration ``e`` prices."""
+    return ZeroConfig(**zero_config_kwargs(e))
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.world_size < 1 or min(args.micro_batch) < 1:
-        raise SystemExit("zero estimate: --world-size and --micro-batch must be >= 1")
     cfg = gpt_config(args)
     print(f"tracing a GPT ({cfg}) on fake tensors (no memory is allocated) ...", flush=True)
     start = time.perf_counter()
@@ -43,28 +89,44 @@ def main(args: argparse.Namespace) -> int:
     result = plan(traced, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
                   traced_micro_batch=1, precision=args.precision)
     budget = 0.9 * args.gpu_memory
-    print(f"\nper-rank peak, {args.precision} precision, {args.world_size} ranks, budget {budget / GiB:.2f} GiB "
-          f"(90% of {args.gpu_memory / GiB:.2f} GiB)")
-    if result.fits:
+    print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
+          f"budget {budget / GiB:.2f} GiB (90% of {args.gpu_memory / GiB:.2f} GiB)")
+    shown = result.fits[: args.show]
+    if shown:
         print(f"\nfits, best first ({len(result.fits)}):")
-        _table(result.fits[: args.show])
+        _table(shown)
+        zero_config(shown[0])  # validated as ZeroOptimizer will: a configuration it refuses would fail here
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in zero_config_kwargs(shown[0]).items())
+        print(f"to run the first: ZeroOptimizer(optimizer, model, {kwargs})")
     else:
         print("\nnothing fits: even the smallest configuration is too large (see below); add ranks or memory")
-    print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
-    for e, why in sorted(result.rejected, key=lambda r: r[0].peak)[: args.show]:
-        print(f"  {_label(e):<44} {why}")
-    everything = result.fits + [r[0] for r in result.rejected]
-    if any(e.moment != "start of backward" for e in everything):
+    rejected = sorted(result.rejected, key=lambda r: r[0].peak)[: args.show]
+    if rejected:
+        print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
+        for e, why in rejected:
+            print(f"  {_label(e):<44} {why}")
+    listed = shown + [e for e, _ in rejected]
+    if any(e.moment != "start of backward" for e in listed):
         print("* peaks while a bucket's gradients are reduced, not at the start of backward")
-    notes = sorted({n for e in everything for n in e.notes})
+    notes = sorted({n for e in listed for n in e.notes})
     for note in notes:
         print(f"note: {note}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"fits": [e.as_dict() for e in result.fits],
-                       "rejected": [{**e.as_dict(), "why": why} for e, why in result.rejected]}, f, indent=2)
+        data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],
+                "rejected": [{**e.as_dict(), "zero_config": zero_config_kwargs(e), "why": why}
+                             for e, why in result.rejected]}
+        try:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=2)
+        except OSError as err:
+            print(f"zero estimate: cannot write {args.json}: {err.strerror or err}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _label(e: Estimate) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 from zero.profiler.estimator import estimate, trace
 from zero.profiler.tracker import profile
@@ -21,31 +23,71 @@ MiB = 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to launch (default 2)")
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
-    parser.add_argument("--steps", type=int, default=3, help="training steps to profile (default 3)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank (default 4)")
+    parser.add_argument("--world-size", type=positive_int, default=2, help="CPU ranks to launch (default 2)")
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="training steps to profile (default 3)")
+    parser.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per rank (default 4)")
     add_gpt_arguments(parser, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     parser.add_argument("--coarse", action="store_true",
                         help="sample only at module boundaries, gradients and steps (faster; the peak's breakdown is approximate)")
-    parser.add_argument("--json", type=str, default=None, help="write rank 0's report and timeline to this file")
-    parser.add_argument("--plot", type=str, default=None, help="save rank 0's figure (PNG) to this file (needs matplotlib)")
+    parser.add_argument("--json", type=str, default=None, metavar="FILE",
+                        help="write rank 0's report and timeline to this file")
+    parser.add_argument("--plot", type=str, default=None, metavar="FILE",
+                        help='save rank 0\'s figure (PNG) to this file; needs matplotlib: pip install "zero-dp[plot]"')
+
+
+def check(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (``ValueError``: the command line's error message)."""
+    gpt_config(args)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.world_size < 1 or args.steps < 1 or args.micro_batch < 1:
-        raise SystemExit("zero report: --world-size, --steps and --micro-batch must be >= 1")
+    if args.plot and not matplotlib_installed():  # before anything is launched or profiled
+        print('zero report: --plot needs matplotlib, which is not installed: pip install "zero-dp[plot]"',
+              file=sys.stderr)
+        return 2
     if "RANK" not in os.environ:
-        print(f"zero report: launching {args.world_size} CPU ranks with torchrun (gloo on 127.0.0.1)", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}"]
-        cmd += ["-m", "zero", "report"] + sys.argv[sys.argv.index("report") + 1 :]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        return subprocess.call(cmd, env=env)
+        return launch_ranks(args, "report")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
         return _run_rank(args)
     finally:
         dist.destroy_process_group()
+
+
+def matplotlib_installed() -> bool:
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return False
+    return True
+
+
+# Kineto (torch.profiler's backend) logs every profiler start and stop to stderr, at its highest level
+# ("USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:52] profiler_start"; KINETO_LOG_LEVEL=5
+# still prints them, and a higher one would silence its errors too), so the ranks' stderr is passed on without them.
+KINETO_CHATTER = re.compile(r"(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+def launch_ranks(args: argparse.Namespace, command: str) -> int:
+    """Run ``zero COMMAND`` with the same arguments (``args.argv``, set by ``zero.cli.main``) on
+    ``args.world_size`` CPU ranks under torchrun; returns its exit code."""
+    ranks = f"{args.world_size} CPU rank{'' if args.world_size == 1 else 's'}"
+    print(f"zero {command}: launching {ranks} with torchrun (gloo on 127.0.0.1)", flush=True)
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
+           "-m", "zero", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        for line in proc.stderr:
+            if not KINETO_CHATTER.match(line):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        return proc.wait()
+    except KeyboardInterrupt:  # torchrun got it too (same process group) and stops the ranks
+        proc.wait()
+        return 130
 
 
 def _run_rank(args: argparse.Namespace) -> int:
@@ -55,8 +97,9 @@ def _run_rank(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=args.stage)
-    say(f"GPT {cfg} ({opt.partition.numel / 1e6:.2f}M parameters), stage {args.stage}, {world} ranks, "
-        f"micro-batch {args.micro_batch}; profiling {args.steps} steps", flush=True)
+    say(f"GPT {cfg} ({opt.partition.numel / 1e6:.2f}M parameters), stage {args.stage}, "
+        f"{world} rank{'' if world == 1 else 's'}, micro-batch {args.micro_batch}; "
+        f"profiling {args.steps} step{'' if args.steps == 1 else 's'}", flush=True)
     x, y = synthetic_batch(0, args.micro_batch * world, cfg)
     x, y = local_slice(x, rank, world), local_slice(y, rank, world)
     start = time.perf_counter()

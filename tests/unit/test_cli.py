@@ -1,0 +1,293 @@
+"""The command line (``zero demo | estimate | report | consolidate``): version, help, argument errors in one
+line with exit code 2, memory sizes, runnable estimates, and clean output."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero
+from zero import ZeroConfig, ZeroOptimizer
+from zero.cli import build_parser, main
+from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.precision import MixedPrecision
+from zero.profiler import estimate_cli, report_cli
+from zero.profiler.estimator import PRECISIONS, Precision
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+TINY = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2", "--heads", "2"]
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subparsers.choices)
+
+
+def _no_launch(monkeypatch):
+    """Make launching ranks (demo, report) fail the test: the errors below must come before it."""
+
+    def launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(report_cli, "launch_ranks", launch)
+    monkeypatch.setattr("zero.demo.launch_ranks", launch)
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """Run ``zero ARGV``, expect exit code 2 and one line on stderr (no usage block, no traceback); return it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
+    return err.rstrip("\n")
+
+
+# ----- 1. one version ------------------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"zero {zero.__version__}\n"
+
+
+def test_pyproject_version_is_the_package_version():
+    project = (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1]
+    assert re.search(r'^version = "([^"]+)"', project, re.MULTILINE).group(1) == zero.__version__
+
+
+# ----- 2. help on every option ---------------------------------------------------------------------------
+
+
+def test_every_option_of_every_command_has_help():
+    commands = _commands()
+    assert set(commands) == {"demo", "estimate", "report", "consolidate"}
+    for name, parser in commands.items():
+        for action in parser._actions:
+            label = action.option_strings[-1] if action.option_strings else action.dest
+            assert action.help and action.help != argparse.SUPPRESS, f"zero {name} {label} has no help"
+        text = parser.format_help()  # and --help renders it (no bad %-formatting in a help string)
+        assert all(a.option_strings[-1] in text for a in parser._actions if a.option_strings)
+
+
+# ----- 3. --plot without matplotlib ----------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_fails_before_anything_runs(monkeypatch, capsys):
+    _no_launch(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["report", "--plot", "memory.png", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == 'zero report: --plot needs matplotlib, which is not installed: pip install "zero-dp[plot]"\n'
+
+
+def test_the_plot_extra_is_declared_and_documented_where_plot_is():
+    assert re.search(r'^plot = \["matplotlib"\]', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    readme = (ROOT / "README.md").read_text()
+    report_paragraph = readme[readme.index("`zero report --stage 3") :].split("\n\n", 1)[0]
+    assert "--plot" in report_paragraph and 'pip install "zero-dp[plot]"' in report_paragraph
+
+
+# ----- 4. memory sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("24", 24 * GIB), ("1.5", 3 * GIB // 2), ("24GiB", 24 * GIB), ("24 gib", 24 * GIB), ("80G", 80 * GIB),
+        ("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("500MB", 500 * 10**6), ("1TiB", 2**40), ("4096B", 4096),
+    ],
+)
+def test_memory_sizes_a_bare_number_is_gib(text, expected):
+    assert estimate_cli.memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["24 parsecs", "", "GiB", "-1", "1e3", "inf", "nan", "24GiBs", "2 4"])
+def test_memory_size_refuses_nonsense(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a memory size"):
+        estimate_cli.memory_size(text)
+
+
+def test_estimate_takes_gib_and_refuses_nonsense_in_one_line(capsys):
+    assert main(["estimate", "--gpu-memory", "24", "--world-size", "1", *TINY]) == 0
+    assert "budget 21.60 GiB (90% of 24.00 GiB)" in capsys.readouterr().out
+    err = _usage_error(capsys, ["estimate", "--gpu-memory", "24 parsecs", *TINY])
+    assert err.startswith("zero estimate: error: argument --gpu-memory: not a memory size: '24 parsecs' (")
+    err = _usage_error(capsys, ["estimate", "--gpu-memory", "0GiB", *TINY])
+    assert err == "zero estimate: error: argument --gpu-memory: a memory size must be positive, got '0GiB'"
+
+
+def test_consolidate_shard_size_takes_the_same_sizes(capsys):
+    parse = build_parser().parse_args
+    assert parse(["consolidate", "ckpt", "out"]).max_shard_size == 5 * 10**9  # Hugging Face's 5GB
+    assert parse(["consolidate", "ckpt", "out", "--max-shard-size", "2"]).max_shard_size == 2 * GIB
+    err = _usage_error(capsys, ["consolidate", "ckpt", "out", "--max-shard-size", "lots"])
+    assert err.startswith("zero consolidate: error: argument --max-shard-size: not a memory size: 'lots'")
+
+
+# ----- 5. impossible model dimensions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["estimate", "--gpu-memory", "24"], ["report"], ["demo"]])
+def test_impossible_gpt_dimensions_are_one_line_errors(monkeypatch, capsys, command):
+    _no_launch(monkeypatch)
+    name = command[0]
+    err = _usage_error(capsys, [*command, "--d-model", "1000", "--heads", "16"])
+    assert err == (f"zero {name}: error: --d-model (1000) must be a multiple of --heads (16): each head gets "
+                   "d_model / heads dimensions")
+    for flag in ("--vocab", "--seq-len", "--d-model", "--layers", "--heads"):
+        assert _usage_error(capsys, [*command, flag, "0"]) == f"zero {name}: error: argument {flag}: must be >= 1, got 0"
+    err = _usage_error(capsys, [*command, "--layers", "two"])
+    assert err == f"zero {name}: error: argument --layers: expected a whole number >= 1, got 'two'"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["estimate", "--gpu-memory", "24", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+        (["estimate", "--gpu-memory", "24", "--micro-batch", "4", "0"], "argument --micro-batch: must be >= 1, got 0"),
+        (["estimate", "--gpu-memory", "24", "--show", "-1"], "argument --show: must be >= 1, got -1"),
+        (["report", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["report", "--micro-batch", "0"], "argument --micro-batch: must be >= 1, got 0"),
+        (["report", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
+        (["demo", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
+        (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["demo", "--batch", "3"], "--batch (3) must be a positive multiple of the world size (2), or 0 for 4 per rank"),
+        (["demo", "--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    ],
+)
+def test_non_positive_sizes_are_one_line_errors(monkeypatch, capsys, argv, message):
+    _no_launch(monkeypatch)
+    monkeypatch.delenv("RANK", raising=False)
+    assert _usage_error(capsys, argv) == f"zero {argv[0]}: error: {message}"
+
+
+def test_a_bad_command_line_exits_2_without_a_traceback():
+    run = subprocess.run([sys.executable, "-m", "zero", "estimate", "--gpu-memory", "24", "--d-model", "1000",
+                          "--heads", "16"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == ("zero estimate: error: --d-model (1000) must be a multiple of --heads (16): each head "
+                          "gets d_model / heads dimensions\n")
+
+
+# ----- 6. zero estimate lists only what ZeroOptimizer runs -----------------------------------------------
+
+
+def test_every_precision_the_estimator_prices_is_a_mixed_precision_policy():
+    assert set(estimate_cli.PRECISION_POLICIES) == set(PRECISIONS)
+    for name, policy in estimate_cli.PRECISION_POLICIES.items():
+        assert Precision.of(MixedPrecision(**policy), name) == PRECISIONS[name]
+
+
+def _printed_configurations(out: str, precision: str) -> list[dict]:
+    """The keyword arguments of every configuration ``zero estimate`` printed."""
+    found = []
+    for stage, micro, extras in re.findall(r"^  stage (\d), micro-batch (\d+)((?:, [a-z +]+?)?)(?: \*)? {2,}", out,
+                                           re.MULTILINE):
+        extras = set(extras.removeprefix(", ").split(" + ")) - {""}
+        assert extras <= {"checkpointing", "offload"}
+        e = argparse.Namespace(stage=int(stage), precision=precision, offload="offload" in extras,
+                               checkpointing="checkpointing" in extras)
+        found.append(estimate_cli.zero_config_kwargs(e))
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:offloaded AdamW steps on the host with its foreach kernel")
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_every_configuration_estimate_prints_is_one_zero_optimizer_runs(capsys, precision):
+    """What ``zero estimate`` lists (fitting and not) is a valid ZeroConfig, and ZeroOptimizer trains a step with it."""
+    assert main(["estimate", "--gpu-memory", "2MiB", "--world-size", "2", "--micro-batch", "1", "4",
+                 "--precision", precision, "--show", "1000", *TINY]) == 0
+    out = capsys.readouterr().out
+    printed = _printed_configurations(out, precision)
+    assert len(printed) == 2 * 2 * 7  # micro-batches x checkpointing x (stages 0-3 + offload at 1-3)
+    first = re.search(r"^to run the first: ZeroOptimizer\(optimizer, model, (.*)\)$", out, re.MULTILINE).group(1)
+    assert eval(f"dict({first})") == printed[0]
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=2, num_heads=2)
+    x, y = synthetic_batch(0, 2, cfg)
+    for kwargs in {repr(k): k for k in printed}.values():
+        config = ZeroConfig(**kwargs)  # pydantic: the validator ZeroOptimizer applies
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, config=config)
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.isfinite(model.loss(x, y)), kwargs  # a second forward, after the step
+
+
+# ----- 7, 8. clean output, plurals -----------------------------------------------------------------------
+
+
+def test_estimate_output_is_grammatical(capsys):
+    assert main(["estimate", "--gpu-memory", "24", "--world-size", "1", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert ", 1 rank, budget" in out and "1 ranks" not in out
+    assert main(["estimate", "--gpu-memory", "24", "--world-size", "3", *TINY]) == 0
+    assert ", 3 ranks, budget" in capsys.readouterr().out
+
+
+def test_profiler_chatter_is_dropped_from_the_ranks_stderr(monkeypatch, capsys):
+    """Kineto's start/stop lines go; everything else the ranks write to stderr (errors) is passed on."""
+    script = (
+        "import sys; "
+        "sys.stderr.write('USDT:2026-11-23 18:47:01 17407:17407 SyncActivityProfilerHandler.cpp:52] profiler_start\\n'); "
+        "sys.stderr.write('STAGE:2026-11-23 18:47:16 17531:17531 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\\n'); "
+        "sys.stderr.write('ValueError: a real error\\n'); print('rank output'); sys.exit(3)"
+    )
+    real_popen = subprocess.Popen
+    seen = []
+
+    def popen(cmd, **kwargs):
+        seen.append(cmd)
+        return real_popen([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(report_cli.subprocess, "Popen", popen)
+    args = argparse.Namespace(world_size=1, argv=["report", "--steps", "1"])
+    assert report_cli.launch_ranks(args, "report") == 3
+    out, err = capsys.readouterr()
+    assert out.startswith("zero report: launching 1 CPU rank with torchrun")
+    assert err == "ValueError: a real error\n"
+    assert seen[0][-5:] == ["-m", "zero", "report", "--steps", "1"]  # the arguments main() was given, not sys.argv
+
+
+@pytest.fixture(scope="module")
+def report_output(tmp_path_factory) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "zero", "report", "--world-size", "1", "--steps", "1", "--micro-batch", "1", "--coarse",
+         "--vocab", "64", "--seq-len", "8", "--d-model", "16", "--layers", "1", "--heads", "2"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path_factory.mktemp("report"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout + run.stderr
+
+
+def test_report_output_has_no_profiler_lines_and_counts_in_words(report_output):
+    assert "profiler_start" not in report_output and "USDT:" not in report_output and "STAGE:" not in report_output
+    assert "launching 1 CPU rank with torchrun" in report_output
+    assert ", 1 rank, micro-batch 1; profiling 1 step\n" in report_output
+
+
+def test_report_names_no_operators_and_counts_steps_in_words(report_output):
+    assert not re.search(r"\b[a-z_]+\.(default|Tensor|Scalar|dim_IntList|int)\b", report_output)
+    assert "1 optimizer steps" not in report_output and "aten::" not in report_output
+
+
+# ----- 9. the package description ------------------------------------------------------------------------
+
+
+def test_description_names_all_three_stages():
+    description = re.search(r'^description = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert re.search(r"stage 1[^,;]* optimizer state", description)
+    assert re.search(r"stage 2[^,;]* gradients", description)
+    assert re.search(r"stage 3[^,;]* parameters", description)
