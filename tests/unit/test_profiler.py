@@ -153,3 +153,111 @@ def test_nothing_is_left_behind_by_odd_blocks():
     with zero.profile(model, opt, every_op=False) as prof:
         model.loss(x, y).backward()
     assert prof.samples
+
+
+def _figure_of(prof, **title):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from zero.profiler import report
+
+    return report.figure(prof, **title)
+
+
+def test_plot_title_names_model_size_stage_world_and_rank():
+    import matplotlib.pyplot as plt
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    numel = sum(p.numel() for p in model.parameters())
+    prof = _train(model, zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3), every_op=False)
+    assert prof.run == {"model": "GPT", "params": numel, "stage": 3, "world_size": 1, "rank": 0}
+    fig = _figure_of(prof)
+    title = fig._suptitle.get_text()
+    plt.close(fig)
+    assert f"{numel / 1e3:.3g}K params" in title and "ZeRO stage 3" in title
+    assert "world size 1" in title and "rank 0" in title and "GPT" in title
+    # the caller's figures win (what zero report or a launcher knows), and a plain optimizer says so
+    fig = _figure_of(prof, params=3_300_000, stage=2, world_size=8, rank=5)
+    title = fig._suptitle.get_text()
+    plt.close(fig)
+    assert "3.3M params" in title and "ZeRO stage 2" in title and "world size 8" in title and "rank 5" in title
+    plain = _train(model := GPT(TINY), torch.optim.SGD(model.parameters(), lr=0.1), steps=1, every_op=False)
+    fig = _figure_of(plain)
+    assert "no ZeRO" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def test_plot_shades_each_phase_and_marks_the_peak():
+    import matplotlib.pyplot as plt
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    zero.checkpoint_activations(model, {"classes": ["Block"]})  # a recompute phase too
+    prof = _train(model, zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3), every_op=False)
+    fig = _figure_of(prof)
+    timeline, bars = fig.axes[:2]
+    shaded = {}
+    for patch in timeline.patches:
+        gid = patch.get_gid() or ""
+        if gid.startswith("phase:"):
+            shaded.setdefault(gid.removeprefix("phase:"), []).append(patch)
+    present = {s.phase for s in prof.samples} - {"idle"}
+    assert present == {"forward", "backward", "recompute", "step"}
+    assert set(shaded) == present
+    assert all(len(shaded[p]) >= 2 for p in ("forward", "backward", "step"))  # two steps: each phase twice
+    # each span covers the samples of its phase
+    from zero.profiler.report import phase_spans
+
+    for phase, start, end in phase_spans(prof):
+        assert start <= end
+    for s in prof.samples:
+        if s.phase != "idle":
+            assert any(p == s.phase and a <= s.time <= b for p, a, b in phase_spans(prof))
+    assert "time" in timeline.get_xlabel() and "MiB" in timeline.get_ylabel()
+    notes = [t for t in timeline.texts if t.get_gid() == "peak"]
+    assert len(notes) == 1
+    assert f"peak {prof.peak.allocated / 2**20:.2f} MiB" in notes[0].get_text()
+    assert notes[0].xy == (prof.peak.time, prof.peak.allocated / 2**20)
+    assert prof.peak.allocated == max(s.allocated for s in prof.samples)
+    plt.close(fig)
+
+
+def test_plot_module_bars_count_each_byte_once():
+    import matplotlib.pyplot as plt
+    from zero.profiler.report import MODEL_WIDE, module_bars
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    prof = _train(model, zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2))
+    peak = prof.peak
+    # the per-(module, category) figures add up to both the per-module and the per-category ones
+    for module, nbytes in peak.modules.items():
+        assert sum(b for (m, _), b in peak.module_categories.items() if m == module) <= nbytes
+    for c in zero.profiler.CATEGORIES:
+        assert sum(b for (_, cat), b in peak.module_categories.items() if cat == c) <= peak.categories[c]
+    rows = dict(module_bars(peak, count=1000))
+    assert {m or MODEL_WIDE for m, b in peak.modules.items() if b} == set(rows)
+    for module, nbytes in peak.modules.items():
+        if nbytes:
+            assert sum(rows[module or MODEL_WIDE].values()) == nbytes  # a parent's own bytes, not its children's
+    assert sum(sum(r.values()) for r in rows.values()) == peak.total  # nothing counted twice
+    fig = _figure_of(prof)
+    bars = fig.axes[1]
+    # the drawn bars: one stacked bar per module (a few largest, then the rest), together the sample's total
+    drawn = [p for p in bars.patches if (p.get_gid() or "").startswith("module:")]
+    assert sum(p.get_width() for p in drawn) == pytest.approx(peak.total / 2**20, rel=1e-9)
+    by_row: dict[float, float] = {}
+    for p in drawn:
+        by_row[p.get_y()] = by_row.get(p.get_y(), 0.0) + p.get_width()
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    assert len(by_row) == len(labels) == len(module_bars(peak))
+    shown = dict(zip(labels, [by_row[y] for y in sorted(by_row)]))
+    for module, row in module_bars(peak):
+        assert shown[module] == pytest.approx(sum(row.values()) / 2**20, rel=1e-9)
+    # model state is shown: the optimizer's state and the parameters appear among the stacked categories
+    stacked = {(p.get_gid() or "").removeprefix("module:") for p in drawn}
+    assert {"parameters", "optimizer_state", "activations"} <= stacked
+    assert "own bytes" in bars.get_xlabel() and "not included" in bars.get_xlabel()
+    plt.close(fig)

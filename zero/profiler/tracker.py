@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -59,6 +60,7 @@ class Sample:
     allocated: int = 0  # the allocator's figure
     entry_alive: int = 0  # bytes of storages alive on entry that are still alive (CPU reconciliation)
     created_ptrs: frozenset[int] = frozenset()  # addresses of the temporaries (CPU reconciliation)
+    module_categories: dict[tuple[str, str], int] = field(default_factory=dict)  # (module, category) -> bytes
 
     @property
     def total(self) -> int:
@@ -141,6 +143,7 @@ class MemoryTracker:
         self._saved: dict[int, SavedStorage] = {}
         self._entry: dict[int, EntryStorage] = {}
         self._param_modules = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+        self.run = _run_info(model, optimizer)  # the plot's title: model size, stage, world size, rank
         self._exits = ExitStack()  # what __exit__ undoes: hooks, saved-tensor hooks, the dispatch mode
         self._start = 0.0
         self._active = False
@@ -204,9 +207,10 @@ class MemoryTracker:
         """The report and the whole timeline as JSON (written to ``path`` if given)."""
         return report.to_json(self, path)
 
-    def plot(self, path: str) -> None:
-        """Save a figure: stacked timeline by category, and bytes per module at the peak (needs matplotlib)."""
-        report.plot(self, path)
+    def plot(self, path: str, **title: Any) -> None:
+        """Save a figure (needs matplotlib): the timeline by category over the run's phases with the peak marked,
+        and each module's own bytes at the peak by category. ``title``: see :func:`zero.profiler.report.figure`."""
+        report.plot(self, path, **title)
 
     # ----- sampling -------------------------------------------------------------------------------
 
@@ -217,6 +221,7 @@ class MemoryTracker:
         categories = dict.fromkeys(CATEGORIES, 0)
         labels: dict[str, int] = {}
         modules: dict[str, int] = {}
+        by_module: dict[tuple[str, str], int] = {}
         seen: set[int] = set()
         size = self.allocator.block_size
         index = len(self.samples)
@@ -231,6 +236,7 @@ class MemoryTracker:
                 categories[category] += nbytes
                 labels[f"{category}/{label}"] = labels.get(f"{category}/{label}", 0) + nbytes
                 modules[module] = modules.get(module, 0) + nbytes
+                by_module[module, category] = by_module.get((module, category), 0) + nbytes
 
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters guard their storage
             for item in self._owned():
@@ -263,6 +269,7 @@ class MemoryTracker:
             index=index, time=time.perf_counter() - self._start, step=self._ctx.step, phase=self._ctx.phase,
             module=self._ctx.module, event=event, categories=categories, labels=labels, modules=modules,
             allocated=self.allocator.now(), entry_alive=entry_alive, created_ptrs=frozenset(created_ptrs),
+            module_categories=by_module,
         ))
 
     def _owned(self) -> Iterable[MemoryItem]:
@@ -338,6 +345,21 @@ class MemoryTracker:
         self.sample("optimizer step ends")
         self._ctx.in_step = False
         self._ctx.step += 1
+
+
+def _run_info(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The model's class and size, the ZeRO stage (``None``: not a ZeroOptimizer), world size and rank."""
+    with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters keep their whole shape
+        params = sum(p.numel() for p in model.parameters())
+    comm = getattr(optimizer, "comm", None) if hasattr(optimizer, "named_memory") else None
+    if comm is not None:
+        world, rank = comm.world_size, comm.rank
+    elif dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world, rank = 1, 0
+    stage = optimizer.config.stage if comm is not None else None
+    return {"model": type(model).__name__, "params": params, "stage": stage, "world_size": world, "rank": rank}
 
 
 def _model_device(model: nn.Module) -> torch.device:
