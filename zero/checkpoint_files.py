@@ -159,6 +159,10 @@ class Checkpoint:
             state[key] = out
         return state
 
+    def extra_keys(self) -> set[tuple[int, str]]:
+        """The ``(file, key)`` entries of the tensors set aside by :func:`zero.tree.encode`."""
+        return {(0, key) for key in self.entries[0] if key.startswith("x/")}
+
     def extra_tensor(self, index: int) -> torch.Tensor:
         """The ``index``-th tensor set aside by :func:`zero.tree.encode` (in rank 0's file)."""
         entry = self.entries[0][f"x/{index}"]

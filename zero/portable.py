@@ -293,9 +293,10 @@ class LoadPlan:
 def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: ProgressArg) -> LoadPlan:
     """Every check, and the checksums of everything this rank reads; nothing is changed."""
     held, aliases = describe(model, opt)
-    _check_names(ckpt, held, aliases)
+    shapes = {h.name: tuple(h.tensor.shape) for h in held}
+    _check_names(ckpt, {**shapes, **{alias: shapes[name] for alias, name in aliases.items()}})
     _check_optimizer(ckpt, opt, held)
-    keys = {(0, key) for key in ckpt.entries[0] if key.startswith("x/")}
+    keys = ckpt.extra_keys()
     for h in held:
         for start, numel in _ranges(h, opt):
             keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
@@ -308,23 +309,22 @@ def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: 
     return LoadPlan(held, state, meter)
 
 
-def _check_names(ckpt: Checkpoint, held: list[Held], aliases: dict[str, str]) -> None:
-    """Same state_dict names (tied names included) and shapes as the model that saved."""
+def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds, and
+    each saved tensor's pieces cover it."""
     saved = set(ckpt.tensors) | set(ckpt.meta["aliases"])
-    here = {h.name for h in held} | set(aliases)
-    if saved != here:
-        missing, unexpected = sorted(here - saved), sorted(saved - here)
+    if saved != set(shapes):
+        missing, unexpected = sorted(set(shapes) - saved), sorted(saved - set(shapes))
         raise ValueError(f"{ckpt.path} is a checkpoint of another model: the model has {missing[:4]} that it lacks, "
                          f"and it has {unexpected[:4]} that the model lacks")
-    for alias, name in ckpt.meta["aliases"].items():
-        if name not in ckpt.tensors:
-            raise ValueError(f"{ckpt.path}: {alias!r} is an alias of {name!r}, which it does not hold; it is damaged")
-    for h in held:
-        name = ckpt.meta["aliases"].get(h.name, h.name)
-        shape = list(ckpt.tensors[name]["shape"])
-        if shape != list(h.tensor.shape):
-            raise ValueError(f"{ckpt.path} is a checkpoint of another model: {h.name!r} has shape {tuple(shape)} "
-                             f"there but {tuple(h.tensor.shape)} in the model")
+    for name, shape in shapes.items():
+        stored = ckpt.meta["aliases"].get(name, name)
+        if stored not in ckpt.tensors:
+            raise ValueError(f"{ckpt.path}: {name!r} is an alias of {stored!r}, which it does not hold; it is damaged")
+        if list(ckpt.tensors[stored]["shape"]) != list(shape):
+            raise ValueError(f"{ckpt.path} is a checkpoint of another model: {name!r} has shape "
+                             f"{tuple(ckpt.tensors[stored]['shape'])} there but {tuple(shape)} in the model")
+    for name in ckpt.tensors:
         check_coverage(name, ckpt.numel(name), ckpt.pieces[name], ckpt.path)
 
 
@@ -386,18 +386,10 @@ def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: Progr
     """Weights only, into an unwrapped model (one process)."""
     with Checkpoint(path) as ckpt:
         sd = model.state_dict(keep_vars=True)
-        saved = set(ckpt.tensors) | set(ckpt.meta["aliases"])
-        if saved != set(sd):
-            raise ValueError(f"{ckpt.path} is a checkpoint of another model: the model has {sorted(set(sd) - saved)[:4]} "
-                             f"that it lacks, and it has {sorted(saved - set(sd))[:4]} that the model lacks")
+        _check_names(ckpt, {name: tuple(tensor.shape) for name, tensor in sd.items()})
         names = {name: ckpt.meta["aliases"].get(name, name) for name in sd}
-        for name, tensor in sd.items():
-            if list(tensor.shape) != list(ckpt.tensors[names[name]]["shape"]):
-                raise ValueError(f"{ckpt.path}: {name!r} has shape {tuple(ckpt.tensors[names[name]]['shape'])} there "
-                                 f"but {tuple(tensor.shape)} in the model")
-        keys = {(0, key) for key in ckpt.entries[0] if key.startswith("x/")}
+        keys = ckpt.extra_keys()
         for name in set(names.values()):
-            check_coverage(name, ckpt.numel(name), ckpt.pieces[name], ckpt.path)
             keys |= ckpt.keys_of(name, 0, ckpt.numel(name), state=False)
         meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
         ckpt.verify(keys, on_bytes=meter.advance)
