@@ -1,0 +1,440 @@
+"""One run against every peer: step time, peak memory, model state, traffic and exposed communication.
+
+Every contender trains its own copy of the same GPT (same seed, same batches, AdamW):
+
+* ``ddp``                    ``DistributedDataParallel`` (the baseline every ratio is to)
+* ``zro``                    ``torch.distributed.optim.ZeroRedundancyOptimizer`` over DDP (ZeRO-1)
+* ``fsdp2``, ``fsdp2-keep``  ``fully_shard`` on each block and the root, resharding after forward or not
+* ``ds-1``, ``ds-2``, ``ds-3``, ``ds-offload``  DeepSpeed ZeRO 1/2/3 and ZeRO-Offload (stage 2, optimizer on
+  the host), when ``deepspeed`` is installed (on CPU: ``DS_ACCELERATOR=cpu``, gloo), with reduce, all-gather
+  and prefetch buckets of our bucket size (25 MB; DeepSpeed's defaults, 5e8 elements, take 1.9 GB here)
+* ``zero-0`` .. ``zero-3``, ``zero-2-offload``, ``zero-2-bf16``  ``ZeroOptimizer``, also with optimizer offload
+  and with bf16 mixed precision (fp32 masters)
+
+Measured, per contender:
+
+* **step time**: forward + backward + step + zero_grad after a barrier, max over ranks; the median of the
+  timed steps, interleaved (each step runs every contender once, the order rotating);
+* **peak memory** per rank (max over ranks): on CPU the C allocator's bytes in use (glibc ``mallinfo2``)
+  sampled at every module's forward hooks, every gradient's arrival and around the step, over what was
+  in use before the contender was built; on CUDA ``torch.cuda.max_memory_allocated``; contenders are built
+  and measured one at a time for this;
+* **model state** = bytes in use after a step and ``zero_grad()`` over the same baseline, divided by the
+  ZeRO paper's formula for that stage and precision (``zero.zero_model_state_bytes``);
+* **traffic**: bytes this rank wrote to its sockets per step (``/proc/self/io`` ``wchar``: gloo's sends),
+  divided by the bandwidth-optimal volume ``(N-1)/N Ψ`` times the bytes each stage moves per element
+  (2 fp32 collectives at stages 0-2, 3 at stage 3: the paper's 2Ψ and 3Ψ);
+* **exposed communication** = (step time - the same step on PyTorch's fake process group, where every
+  collective returns at once) / step time. The fake run is a separate process per rank, started by the
+  rank after the real run, both ranks at once (the same contention for the cores).
+
+Before any time is reported the script checks that every contender's losses agree with DDP's (fp32:
+1e-4 relative; bf16: 3e-2). Results: a table of ratios to DDP, ``--json`` and ``--plot``.
+
+Run (CPU, gloo)::
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 benchmarks/compare.py [--d-model 256 --layers 4]
+        [--steps 20] [--only zero-3,fsdp2] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from zero import ZeroOptimizer, zero_model_state_bytes
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+
+LR, WD = 3e-4, 0.1
+BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
+
+
+@dataclass
+class Spec:
+    """A contender: how to build it, the ZeRO stage whose formulas it follows, and its bytes per element."""
+
+    name: str
+    build: Callable[[GPT], "Contender"]
+    stage: int
+    param_bytes: int = 4  # parameters as stored (and all-gathered)
+    grad_bytes: int = 4  # gradients as reduced
+    optimizer_bytes: int = 8  # m and v (+ a 4-byte master under mixed precision)
+    gathers: int = 1  # parameter all-gathers per step (stage 3 resharding after forward: 2)
+    low_precision: bool = False
+
+
+@dataclass
+class Contender:
+    module: torch.nn.Module  # what forward runs through
+    optimizer: object  # has step() and zero_grad(), or a DeepSpeed engine
+    engine: object = None  # DeepSpeed: backward and step go through it
+    losses: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        logits = self.module(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if self.engine is not None:
+            self.engine.backward(loss)
+            self.engine.step()
+        else:
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return loss.item()
+
+
+def adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+def _wrap_ddp(model: torch.nn.Module) -> DistributedDataParallel:
+    """DDP; on the fake process group with a no-op communication hook (the fake all-reduce returns nothing, which
+    DDP's reducer refuses), so that the step computes without communicating."""
+    ddp = DistributedDataParallel(model)
+    if dist.get_backend() == "fake":
+        def no_op(_, bucket):
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+        ddp.register_comm_hook(None, no_op)
+    return ddp
+
+
+def _ddp(base: GPT) -> Contender:
+    model = copy.deepcopy(base)
+    return Contender(_wrap_ddp(model), adamw(model.parameters()))
+
+
+def _zro(base: GPT) -> Contender:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = copy.deepcopy(base)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD)
+    return Contender(_wrap_ddp(model), opt)
+
+
+def _fsdp2(reshard: bool) -> Callable[[GPT], Contender]:
+    def build(base: GPT) -> Contender:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = copy.deepcopy(base)
+        mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return Contender(model, adamw(model.parameters()))
+
+    return build
+
+
+def _deepspeed(stage: int, offload: bool = False) -> Callable[[GPT], Contender]:
+    def build(base: GPT) -> Contender:
+        import deepspeed
+
+        model = copy.deepcopy(base)
+        bucket = int(BUCKET_MB * 2**20 / 4)  # fp32 elements in one of our buckets (DeepSpeed's default: 5e8)
+        zero_opt = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                    "stage3_prefetch_bucket_size": bucket,
+                    **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": zero_opt, "zero_allow_untested_optimizer": True,
+                  "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+        return Contender(engine, None, engine=engine)
+
+    return build
+
+
+def _zero(stage: int, **config) -> Callable[[GPT], Contender]:
+    def build(base: GPT) -> Contender:
+        model = copy.deepcopy(base)
+        return Contender(model, ZeroOptimizer(adamw(model.parameters()), model, stage=stage, **config))
+
+    return build
+
+
+def specs() -> list[Spec]:
+    out = [Spec("ddp", _ddp, 0), Spec("zro", _zro, 1),
+           Spec("fsdp2", _fsdp2(True), 3, gathers=2), Spec("fsdp2-keep", _fsdp2(False), 3)]
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2), Spec("ds-3", _deepspeed(3), 3, gathers=2),
+                Spec("ds-offload", _deepspeed(2, offload=True), 2)]
+    out += [Spec(f"zero-{s}", _zero(s), s, gathers=2 if s == 3 else 1) for s in range(4)]
+    out += [Spec("zero-2-offload", _zero(2, offload={"optimizer": "cpu"}), 2),
+            Spec("zero-2-bf16", _zero(2, precision={"param_dtype": "bf16"}), 2, param_bytes=2, grad_bytes=4,
+                 optimizer_bytes=12, low_precision=True)]
+    return out
+
+
+# ----- measuring --------------------------------------------------------------------------------------------
+
+
+def _bytes_written() -> int:
+    for line in open("/proc/self/io"):
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                              "uordblks", "fordblks", "keepcost")]
+
+
+def in_use() -> int:
+    """Bytes in use: the CUDA allocator's, or glibc's heap plus mmap'd chunks on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, warmup: int, real: bool) -> None:
+    """Interleaved steps; records losses, times (max over ranks on a real group) and bytes sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = list(contenders)
+    for step in range(warmup + steps):
+        x, y = (local_slice(t, rank, world) for t in synthetic_batch(step, batch, cfg))
+        k = step % len(names)
+        for name in names[k:] + names[:k]:
+            c = contenders[name]
+            if real:
+                dist.barrier()
+            sent, start = _bytes_written(), time.perf_counter()
+            loss = c.train_step(x, y)
+            elapsed, sent = (time.perf_counter() - start) * 1e3, _bytes_written() - sent
+            if real:
+                t = torch.tensor([elapsed, loss], dtype=torch.float64)
+                dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+                dist.all_reduce(t[1:])
+                elapsed, loss = float(t[0]), float(t[1]) / world
+            c.losses.append(loss)
+            if step >= warmup:
+                c.times_ms.append(elapsed)
+                c.sent.append(sent)
+
+
+def memory(spec: Spec, base: GPT, cfg, batch: int) -> dict:
+    """Peak and model state of one contender, built alone (bytes over what was in use before it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    before = in_use()
+    c = spec.build(base)
+    peak = [0]
+
+    def sample(*_):
+        peak[0] = max(peak[0], in_use())
+
+    model = c.engine.module if c.engine is not None else getattr(c.module, "module", c.module)
+    hooks = [m.register_forward_pre_hook(sample) for m in model.modules()]
+    hooks += [m.register_forward_hook(sample) for m in model.modules()]
+    hooks += [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
+    for step in range(2):
+        x, y = (local_slice(t, rank, world) for t in synthetic_batch(step, batch, cfg))
+        sample()
+        c.train_step(x, y)
+        sample()
+    gc.collect()
+    rest = in_use() - before
+    if torch.cuda.is_available():
+        peak[0] = max(peak[0], torch.cuda.max_memory_allocated())
+    for h in hooks:
+        h.remove()
+    result = torch.tensor([peak[0] - before, rest], dtype=torch.float64)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    del c, model
+    gc.collect()
+    return {"peak": float(result[0]), "model_state": float(result[1])}
+
+
+def fake_times(args: argparse.Namespace, names: list[str]) -> dict[str, float | None]:
+    """This rank's median step times with every collective a no-op: the same script in a child process on
+    PyTorch's fake process group (same rank and world size)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--fake-rank", str(rank), "--fake-world", str(world), "--fake-out", out.name,
+               "--only", ",".join(names)] + args.passthrough
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        mine = json.load(open(out.name))
+    t = torch.tensor([mine[n] if mine[n] is not None else float("nan") for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: (None if v != v else v) for n, v in zip(names, t.tolist())}
+
+
+def fake_main(args: argparse.Namespace) -> None:
+    """The child process of :func:`fake_times`: each contender's steps on the fake group, one contender at a time
+    (without communication there is nothing to interleave); ``null`` for one that cannot run there (DeepSpeed
+    stage 3 checks that ranks agree, which a group that sends nothing cannot satisfy)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=args.fake_rank, world_size=args.fake_world)
+    torch.set_num_threads(args.threads)
+    cfg = gpt_config(args)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    medians: dict[str, float | None] = {}
+    for spec in chosen(args):
+        try:
+            contender = {spec.name: spec.build(base)}
+            run_steps(contender, cfg, args.batch, args.steps, args.warmup, real=False)
+            medians[spec.name] = statistics.median(contender[spec.name].times_ms)
+        except Exception as err:  # noqa: BLE001 - reported as "n/a" with the reason
+            print(f"{spec.name} cannot run on the fake process group: {err}", file=sys.stderr)
+            medians[spec.name] = None
+        gc.collect()
+    json.dump(medians, open(args.fake_out, "w"))
+
+
+# ----- report -----------------------------------------------------------------------------------------------
+
+
+def theory_sent(spec: Spec, numel: int, world: int) -> float:
+    """Bandwidth-optimal bytes one rank sends per step: reduce the gradients, gather the parameters."""
+    share = (world - 1) / world * numel
+    if spec.stage == 0:
+        return 2 * share * spec.grad_bytes  # all-reduce
+    return share * (spec.grad_bytes + spec.gathers * spec.param_bytes)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'contender':<15}{'step ms':>9}{'x DDP':>7}{'peak MiB':>10}{'x DDP':>7}{'state/formula':>15}"
+            f"{'sent/theory':>13}{'exposed':>9}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['name']:<15}{r['median_ms']:>9.1f}{r['time_x_ddp']:>7.2f}{r['peak'] / 2**20:>10.1f}"
+                     f"{r['peak_x_ddp']:>7.2f}{r['state_x_formula']:>15.2f}{r['sent_x_theory']:>13.2f}"
+                     + (f"{r['exposed']:>9.1%}" if r["exposed"] is not None else f"{'n/a':>9}"))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.35 * len(rows) + 2), sharey=True)
+    for ax, key, label in zip(axes, ("time_x_ddp", "peak_x_ddp", "exposed"),
+                              ("step time / DDP", "peak memory / DDP", "exposed communication (share of the step)")):
+        ax.barh(names, [r[key] or 0.0 for r in rows], color=["tab:blue" if n.startswith("zero") else "tab:gray" for n in names])
+        ax.set_xlabel(label)
+        if key != "exposed":
+            ax.axvline(1.0, color="black", lw=0.8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----- main -------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--only", default=None, help="comma-separated contenders (ddp is always run)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--plot", default=None, help="write a PNG of the table here")
+    add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
+    p.add_argument("--fake-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fake-world", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fake-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                        ("steps", "warmup", "batch", "threads", "vocab", "seq_len", "d_model", "layers", "heads")]
+    return args
+
+
+def chosen(args: argparse.Namespace) -> list[Spec]:
+    wanted = None if args.only is None else {"ddp", *args.only.split(",")}
+    return [s for s in specs() if wanted is None or s.name in wanted]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.fake_rank is not None:
+        return fake_main(args)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    cfg = gpt_config(args)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    numel = sum(p.numel() for p in base.parameters())
+    chosen_specs = chosen(args)
+    log(f"world {world}, GPT {numel / 1e6:.2f}M params, global batch {args.batch}, {args.threads} thread(s)/rank; "
+        f"contenders: {', '.join(s.name for s in chosen_specs)}", flush=True)
+    contenders = {s.name: s.build(base) for s in chosen_specs}
+    run_steps(contenders, cfg, args.batch, args.steps, args.warmup, real=True)
+    ddp_losses = contenders["ddp"].losses
+    for spec in chosen_specs:  # the same training, before any time is reported
+        tol = 3e-2 if spec.low_precision else 1e-4
+        worst = max(abs(a / b - 1) for a, b in zip(contenders[spec.name].losses, ddp_losses))
+        if worst > tol:
+            raise SystemExit(f"{spec.name}: losses differ from DDP's by {worst:.2e} (> {tol:.0e}); not reporting times")
+    log(f"losses agree with DDP's ({args.warmup + args.steps} steps)", flush=True)
+    results = {n: {"median_ms": statistics.median(c.times_ms), "sent": statistics.median(c.sent)}
+               for n, c in contenders.items()}
+    del contenders
+    gc.collect()
+    for spec in chosen_specs:
+        results[spec.name].update(memory(spec, base, cfg, args.batch))
+    fake = fake_times(args, [s.name for s in chosen_specs])
+    ddp = results["ddp"]
+    rows = []
+    for spec in chosen_specs:
+        r = results[spec.name]
+        formula = zero_model_state_bytes(numel, world, spec.stage, param_bytes=spec.param_bytes,
+                                         grad_bytes=spec.grad_bytes if spec.stage else spec.param_bytes,
+                                         optimizer_bytes=spec.optimizer_bytes)
+        rows.append({
+            "name": spec.name, **r, "fake_ms": fake[spec.name],
+            "time_x_ddp": r["median_ms"] / ddp["median_ms"], "peak_x_ddp": r["peak"] / ddp["peak"],
+            "state_x_formula": r["model_state"] / formula, "sent_x_theory": r["sent"] / theory_sent(spec, numel, world),
+            "exposed": None if fake[spec.name] is None else max(0.0, (r["median_ms"] - fake[spec.name]) / r["median_ms"]),
+        })
+    log("\n" + table(rows))
+    if rank == 0 and args.json:
+        json.dump({"world": world, "params": numel, "config": vars(cfg), "rows": rows}, open(args.json, "w"), indent=2)
+    if rank == 0 and args.plot:
+        plot(rows, args.plot, f"GPT {numel / 1e6:.1f}M params, world size {world}: ratios to DDP")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
