@@ -43,6 +43,7 @@ import argparse
 import copy
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -176,11 +177,7 @@ def _zero(stage: int, **config) -> Callable[[GPT], Contender]:
 def specs() -> list[Spec]:
     out = [Spec("ddp", _ddp, 0), Spec("zro", _zro, 1),
            Spec("fsdp2", _fsdp2(True), 3, gathers=2), Spec("fsdp2-keep", _fsdp2(False), 3)]
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        pass
-    else:
+    if importlib.util.find_spec("deepspeed") is not None:
         out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2), Spec("ds-3", _deepspeed(3), 3, gathers=2),
                 Spec("ds-offload", _deepspeed(2, offload=True), 2)]
     out += [Spec(f"zero-{s}", _zero(s), s, gathers=2 if s == 3 else 1) for s in range(4)]
