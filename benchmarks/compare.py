@@ -28,8 +28,9 @@ Measured, per contender:
   collective returns at once) / step time. The fake run is a separate process per rank, started by the
   rank after the real run, both ranks at once (the same contention for the cores).
 
-Before any time is reported the script checks that every contender's losses agree with DDP's (fp32:
-1e-4 relative; bf16: 3e-2). Results: a table of ratios to DDP, ``--json`` and ``--plot``.
+Before any time is reported the script checks that every contender's losses agree with DDP's at every
+step (fp32: 1e-3 relative, since Adam turns rounding differences into diverging updates over the run;
+bf16: 3e-2); the table shows each contender's largest gap. Results: a table of ratios to DDP, ``--json`` and ``--plot``.
 
 Run (CPU, gloo)::
 
@@ -63,6 +64,7 @@ from zero import ZeroOptimizer, zero_model_state_bytes
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 
 LR, WD = 3e-4, 0.1
+LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
 
 
@@ -169,7 +171,9 @@ def _deepspeed(stage: int, offload: bool = False) -> Callable[[GPT], Contender]:
 def _zero(stage: int, **config) -> Callable[[GPT], Contender]:
     def build(base: GPT) -> Contender:
         model = copy.deepcopy(base)
-        return Contender(model, ZeroOptimizer(adamw(model.parameters()), model, stage=stage, **config))
+        fused = "offload" in config  # the host step: torch's fused CPU AdamW, as ZeroOptimizer advises
+        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=fused or None)
+        return Contender(model, ZeroOptimizer(inner, model, stage=stage, **config))
 
     return build
 
@@ -282,9 +286,9 @@ def fake_times(args: argparse.Namespace, names: list[str]) -> dict[str, float | 
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         mine = json.load(open(out.name))
-    t = torch.tensor([mine[n] if mine[n] is not None else float("nan") for n in names], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {n: (None if v != v else v) for n, v in zip(names, t.tolist())}
+    t = torch.tensor([[mine[n] or 0.0, mine[n] is None] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a contender that failed on any rank has no fake time
+    return {n: (None if failed else ms) for n, (ms, failed) in zip(names, t.tolist())}
 
 
 def fake_main(args: argparse.Namespace) -> None:
@@ -324,12 +328,13 @@ def theory_sent(spec: Spec, numel: int, world: int) -> float:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'contender':<15}{'step ms':>9}{'x DDP':>7}{'peak MiB':>10}{'x DDP':>7}{'state/formula':>15}"
-            f"{'sent/theory':>13}{'exposed':>9}")
+            f"{'sent/theory':>13}{'exposed':>9}{'loss gap':>10}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['name']:<15}{r['median_ms']:>9.1f}{r['time_x_ddp']:>7.2f}{r['peak'] / 2**20:>10.1f}"
                      f"{r['peak_x_ddp']:>7.2f}{r['state_x_formula']:>15.2f}{r['sent_x_theory']:>13.2f}"
-                     + (f"{r['exposed']:>9.1%}" if r["exposed"] is not None else f"{'n/a':>9}"))
+                     + (f"{r['exposed']:>9.1%}" if r["exposed"] is not None else f"{'n/a':>9}")
+                     + f"{r['loss_deviation']:>10.1e}")
     return "\n".join(lines)
 
 
@@ -399,14 +404,15 @@ def main() -> None:
     contenders = {s.name: s.build(base) for s in chosen_specs}
     run_steps(contenders, cfg, args.batch, args.steps, args.warmup, real=True)
     ddp_losses = contenders["ddp"].losses
+    deviation = {n: max(abs(a / b - 1) for a, b in zip(c.losses, ddp_losses)) for n, c in contenders.items()}
     for spec in chosen_specs:  # the same training, before any time is reported
-        tol = 3e-2 if spec.low_precision else 1e-4
-        worst = max(abs(a / b - 1) for a, b in zip(contenders[spec.name].losses, ddp_losses))
-        if worst > tol:
-            raise SystemExit(f"{spec.name}: losses differ from DDP's by {worst:.2e} (> {tol:.0e}); not reporting times")
-    log(f"losses agree with DDP's ({args.warmup + args.steps} steps)", flush=True)
-    results = {n: {"median_ms": statistics.median(c.times_ms), "sent": statistics.median(c.sent)}
-               for n, c in contenders.items()}
+        tol = LOSS_RTOL_LOW if spec.low_precision else LOSS_RTOL
+        if deviation[spec.name] > tol:
+            raise SystemExit(f"{spec.name}: losses differ from DDP's by {deviation[spec.name]:.2e} (> {tol:.0e}); "
+                             "not reporting times")
+    log(f"losses agree with DDP's over {args.warmup + args.steps} steps", flush=True)
+    results = {n: {"median_ms": statistics.median(c.times_ms), "sent": statistics.median(c.sent),
+                   "loss_deviation": deviation[n]} for n, c in contenders.items()}
     del contenders
     gc.collect()
     for spec in chosen_specs:
