@@ -3,6 +3,8 @@ test_integrations_world.py)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -42,6 +44,10 @@ def test_trainer_wraps_the_trainers_optimizer_with_its_groups(tmp_path):
     assert all(g["lr"] == 3e-3 for g in opt.param_groups)
     with model.no_sync():  # Accelerate's accumulation calls it: no reduction inside
         assert not opt._reducer.sync_enabled
+    assert opt._reducer.sync_enabled
+    copy = pickle.loads(pickle.dumps(model.no_sync))  # torch.save(model) still works
+    with copy():
+        pass
 
 
 def test_accelerate_helper_refusals():

@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 from zero.optimizer import ZeroOptimizer
 
 CHECKPOINT_DIR = "zero_checkpoint"  # the portable checkpoint inside a Trainer or Accelerate checkpoint folder
 
 
-def weak_no_sync(opt: ZeroOptimizer) -> Callable[[], ContextManager[None]]:
-    """``opt.no_sync`` as a function that does not keep ``opt`` alive (set as the model's ``no_sync``, the method
-    Accelerate calls on a DDP model to accumulate locally)."""
-    ref = weakref.ref(opt)
+class WeakNoSync:
+    """``opt.no_sync`` without keeping ``opt`` alive: set as the model's ``no_sync``, the method Accelerate calls on a
+    DDP model to accumulate locally. Pickles as a no-op (``torch.save(model)`` keeps working)."""
 
-    def no_sync() -> ContextManager[None]:
-        owner = ref()
+    def __init__(self, opt: ZeroOptimizer | None = None):
+        self._ref = weakref.ref(opt) if opt is not None else None
+
+    def __call__(self) -> ContextManager[None]:
+        owner = self._ref() if self._ref is not None else None
         return owner.no_sync() if owner is not None else contextlib.nullcontext()
 
-    return no_sync
+    def __reduce__(self):
+        return (WeakNoSync, ())

@@ -40,7 +40,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from zero.integrations import CHECKPOINT_DIR, weak_no_sync
+from zero.integrations import CHECKPOINT_DIR, WeakNoSync
 from zero.optimizer import ZeroOptimizer
 from zero.portable import load_checkpoint, save_checkpoint
 
@@ -65,7 +65,7 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.o
     opt = optimizer if isinstance(optimizer, ZeroOptimizer) else ZeroOptimizer(optimizer, model, **zero_config)
     if opt.module is not model:
         raise ValueError("the ZeroOptimizer passed to prepare() wraps another model")
-    model.no_sync = weak_no_sync(opt)  # what accelerator.no_sync()/accumulate() call on a DDP model
+    model.no_sync = WeakNoSync(opt)  # what accelerator.no_sync()/accumulate() call on a DDP model
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: save_checkpoint(
         os.path.join(output_dir, CHECKPOINT_DIR), model, opt, progress=accelerator.is_main_process))
     accelerator.register_load_state_pre_hook(lambda models, input_dir: load_checkpoint(

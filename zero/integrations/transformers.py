@@ -46,7 +46,7 @@ from transformers import Trainer
 
 from zero.config import ZeroConfig
 from zero.consolidate import consolidate
-from zero.integrations import CHECKPOINT_DIR, weak_no_sync
+from zero.integrations import CHECKPOINT_DIR, WeakNoSync
 from zero.optimizer import ZeroOptimizer
 from zero.portable import load_checkpoint, save_checkpoint
 
@@ -85,7 +85,7 @@ class ZeroTrainer(Trainer):
                 raise ValueError("the ZeroOptimizer passed in optimizers= wraps another model than the Trainer's")
             self.zero_optimizer = self.optimizer = wrapped
             self.model._is_accelerate_prepared = True  # accelerator.prepare: place it, never DDP (see the docstring)
-            self.model.no_sync = weak_no_sync(wrapped)
+            self.model.no_sync = WeakNoSync(wrapped)
         return self.optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
