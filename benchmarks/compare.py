@@ -32,6 +32,9 @@ Before any time is reported the script checks that every contender's losses agre
 step (fp32: 1e-3 relative, since Adam turns rounding differences into diverging updates over the run;
 bf16: 3e-2); the table shows each contender's largest gap. Results: a table of ratios to DDP, ``--json`` and ``--plot``.
 
+With CUDA it runs on each rank's GPU with NCCL (peak memory from the CUDA allocator; the traffic column
+then counts nothing, as NCCL does not write to sockets on one machine). Not yet run on a GPU.
+
 Run (CPU, gloo)::
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 benchmarks/compare.py [--d-model 256 --layers 4]
@@ -66,6 +69,7 @@ from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthet
 LR, WD = 3e-4, 0.1
 LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0)) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @dataclass
@@ -141,7 +145,7 @@ def _fsdp2(reshard: bool) -> Callable[[GPT], Contender]:
         from torch.distributed.fsdp import fully_shard
 
         model = copy.deepcopy(base)
-        mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (dist.get_world_size(),))
+        mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -221,7 +225,7 @@ def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, war
     rank, world = dist.get_rank(), dist.get_world_size()
     names = list(contenders)
     for step in range(warmup + steps):
-        x, y = (local_slice(t, rank, world) for t in synthetic_batch(step, batch, cfg))
+        x, y = (local_slice(t, rank, world).to(DEVICE) for t in synthetic_batch(step, batch, cfg))
         k = step % len(names)
         for name in names[k:] + names[:k]:
             c = contenders[name]
@@ -259,7 +263,7 @@ def memory(spec: Spec, base: GPT, cfg, batch: int) -> dict:
     hooks += [m.register_forward_hook(sample) for m in model.modules()]
     hooks += [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
     for step in range(2):
-        x, y = (local_slice(t, rank, world) for t in synthetic_batch(step, batch, cfg))
+        x, y = (local_slice(t, rank, world).to(DEVICE) for t in synthetic_batch(step, batch, cfg))
         sample()
         c.train_step(x, y)
         sample()
@@ -301,7 +305,7 @@ def fake_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cfg = gpt_config(args)
     torch.manual_seed(0)
-    base = GPT(cfg)
+    base = GPT(cfg).to(DEVICE)
     medians: dict[str, float | None] = {}
     for spec in chosen(args):
         try:
@@ -391,12 +395,14 @@ def main() -> None:
     if args.fake_rank is not None:
         return fake_main(args)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=20))
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo", timeout=timedelta(minutes=20))
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     cfg = gpt_config(args)
     torch.manual_seed(0)
-    base = GPT(cfg)
+    base = GPT(cfg).to(DEVICE)
     numel = sum(p.numel() for p in base.parameters())
     chosen_specs = chosen(args)
     log(f"world {world}, GPT {numel / 1e6:.2f}M params, global batch {args.batch}, {args.threads} thread(s)/rank; "
