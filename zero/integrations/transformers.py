@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer
 
 from zero.config import ZeroConfig
@@ -105,16 +104,29 @@ class ZeroTrainer(Trainer):
         checkpoint = output_dir / CHECKPOINT_DIR
         save_checkpoint(checkpoint, self.model, self.zero_optimizer, scheduler=self.lr_scheduler,
                         progress=self.args.should_save)
+        error = None
         if self.args.should_save:
-            consolidate(checkpoint, output_dir, progress=False)
-            for extra in (self.model.config, getattr(self.model, "generation_config", None), self.processing_class):
-                if extra is not None and hasattr(extra, "save_pretrained"):
-                    extra.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-            if not _internal_call:
-                shutil.rmtree(checkpoint)
-        if dist.is_available() and dist.is_initialized():
-            self.zero_optimizer.comm.all_gather_json(None, what="zero: waiting for rank 0's export")
+            try:
+                self._export(checkpoint, output_dir, keep_checkpoint=_internal_call)
+            except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
+                error = err
+        outcomes = self.zero_optimizer.comm.all_gather_json(None if error is None else str(error),
+                                                             what="waiting for the export of the model")
+        if error is not None:
+            raise error
+        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} could not export the model to {output_dir}: {failed[0][1]}")
+
+    def _export(self, checkpoint: Path, output_dir: Path, keep_checkpoint: bool) -> None:
+        """``model.safetensors`` (or shards), the config, generation config and tokenizer, for ``from_pretrained``."""
+        consolidate(checkpoint, output_dir, progress=False)
+        for extra in (self.model.config, getattr(self.model, "generation_config", None), self.processing_class):
+            if extra is not None and hasattr(extra, "save_pretrained"):
+                extra.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if not keep_checkpoint:
+            shutil.rmtree(checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Nothing: ``save_model`` saved the optimizer and the scheduler in the portable checkpoint."""
