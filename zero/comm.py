@@ -30,6 +30,12 @@ import torch
 import torch.distributed as dist
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
+
+
+def _all_gather_into_tensor(*args: Any, **kwargs: Any) -> Any:
+    """``dist.all_gather_single`` where torch has it (newer name), else ``dist.all_gather_into_tensor``."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 @dataclass
@@ -232,8 +238,7 @@ class Communicator:
                 output.copy_(input)
             return self._handle(None, what)
         self.stats.record("all_gather", output)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._handle(fn(output, input, group=self.group, async_op=True), what)
+        return self._handle(_all_gather_into_tensor(output, input, group=self.group, async_op=True), what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str = "broadcast") -> Handle:
         """Overwrite ``tensor`` with group rank ``src``'s copy."""
@@ -261,15 +266,34 @@ class Communicator:
         self._check(what)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._handle(fn(sizes, mine, group=self.group, async_op=True), what).wait()
+        self._handle(_all_gather_into_tensor(sizes, mine, group=self.group, async_op=True), what).wait()
         longest = int(sizes.max())
         data = torch.zeros(longest, dtype=torch.uint8)
         data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
-        self._handle(fn(gathered, data.to(self.device), group=self.group, async_op=True), what).wait()
+        self._handle(_all_gather_into_tensor(gathered, data.to(self.device), group=self.group, async_op=True),
+                     what).wait()
         rows = gathered.cpu().view(self.world_size, longest)
         return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
+
+    def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
+        """Run ``fn`` on this rank, then hear every rank's outcome (one :meth:`all_gather_json`): an error on any
+        rank is raised on all of them, with that rank's message, instead of leaving the others waiting in their
+        next collective. Returns this rank's result, or with ``share`` every rank's (JSON values)."""
+        error, result = None, None
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
+            error = err
+        outcomes = self.all_gather_json({"error": None if error is None else [type(error).__name__, str(error)],
+                                         "result": result if share else None}, what=what)
+        if error is not None:
+            raise error
+        for rank, outcome in enumerate(outcomes):
+            if outcome["error"] is not None:
+                kind, message = outcome["error"]
+                raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} failed while {what}: {message}")
+        return [o["result"] for o in outcomes] if share else result
 
     def end_step(self) -> None:
         """Close the current step's counters (``stats.last_step`` becomes this step's)."""

@@ -379,17 +379,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (call on every rank: the parameters are then cast from the loaded master weights and shared)."""
         checkpoint.check_loadable(state_dict, self._checkpoint_header())
         self.flush()
-        self._inner.load_state_dict(state_dict["optimizer"])
-        self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
-        self.state = self._inner.state
         masters = [b for b in self.partition.trainable_buckets if b.master_buffer is not None]
-        if masters:
-            with torch.no_grad():
-                for bucket, saved in zip(masters, state_dict["master"]):
-                    bucket.master_buffer.data.copy_(saved)
-            self._share_masters(masters)
-        if self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state_dict["loss_scale"])
+        with torch.no_grad():
+            for bucket, saved in zip(masters, state_dict["master"] if masters else []):
+                bucket.master_buffer.data.copy_(saved)
+        self.finish_load(state_dict["optimizer"], state_dict.get("loss_scale"), masters)
 
     def settle_for_checkpoint(self) -> None:
         """Before a portable checkpoint (``zero.save_checkpoint``/``load_checkpoint``) reads or writes the shards:
@@ -400,13 +394,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for bucket in self.partition.trainable_buckets:
             bucket.adopt_edits()
 
-    def finish_load(self, inner_state: dict[str, Any], loss_scale: dict[str, Any] | None) -> None:
-        """After ``zero.load_checkpoint`` wrote this rank's masters or shards: load the wrapped optimizer's
-        state (a ``torch.optim`` state dict over this rank's pieces), cast and share the parameters."""
+    def finish_load(self, inner_state: dict[str, Any], loss_scale: dict[str, Any] | None,
+                    buckets: list[Bucket] | None = None) -> None:
+        """After this rank's masters or shards were written (:meth:`load_state_dict`, ``zero.load_checkpoint``):
+        load the wrapped optimizer's state (a ``torch.optim`` state dict over this rank's pieces), then cast and
+        share the parameters of ``buckets`` (default: every trainable bucket)."""
         self._inner.load_state_dict(inner_state)
         self.param_groups = self._inner.param_groups  # load_state_dict made new group dicts
         self.state = self._inner.state
-        self._share_masters(self.partition.trainable_buckets)
+        self._share_masters(self.partition.trainable_buckets if buckets is None else buckets)
         if self.loss_scaler is not None and loss_scale is not None:
             self.loss_scaler.load_state_dict(loss_scale)
 

@@ -16,8 +16,8 @@ Notes:
 * **Checked before anything changes.** A load checks the metadata against the model and optimizer
   and verifies the CRC of every byte this rank will read, on every rank, and the ranks agree, before
   the first value is written. A refused load leaves the running model and optimizer untouched.
-* **Never hangs on one rank's error.** Each phase ends with a small all-gather of every rank's
-  outcome (with the communicator's timeout), so an error on one rank is raised on all of them.
+* **Never hangs on one rank's error.** Each phase ends with ``Communicator.everywhere``: a small
+  all-gather of every rank's outcome (with the timeout), so an error on one rank is raised on all of them.
 * **Why not torch.distributed.checkpoint.** DCP reshards on load too, but its metadata is a pickle
   (loading one runs code), it has no checksums, and it writes into the target directory in place.
   Our pieces are plain 1D ranges of flattened parameters, so the resharding is one intersection
@@ -46,9 +46,6 @@ from zero.comm import Communicator
 from zero.optimizer import ZeroOptimizer
 from zero.progress import Progress, ProgressArg
 from zero.tensorfile import Spec
-
-_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
-
 
 @dataclass
 class Held:
@@ -113,10 +110,10 @@ def save_checkpoint(
             _prepare_directory(final, partial)
         return held, aliases, encoded, writes, pieces
 
-    held, aliases, encoded, writes, pieces = _everywhere(comm, prepare, "preparing the save")
+    held, aliases, encoded, writes, pieces = comm.everywhere(prepare, "preparing the save")
     report = progress if comm.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
-    manifests = _everywhere(comm, lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part", share=True)
+    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part", share=True)
     meta = {
         "format": FORMAT, "zero_version": _version(), "torch_version": torch.__version__,
         "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
@@ -128,7 +125,7 @@ def save_checkpoint(
     for rank, manifest in enumerate(manifests):
         for name, records in manifest["pieces"].items():
             meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
-    _everywhere(comm, lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
+    comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
     meter.finish(f"saved {final} ({comm.world_size} part{'s' if comm.world_size > 1 else ''})")
     return final
 
@@ -268,10 +265,10 @@ def load_checkpoint(
         return _load_plain(path, model, progress)
     opt = _checked(model, optimizer)
     comm = opt.comm
-    ckpt = _everywhere(comm, lambda: Checkpoint(path), "opening the checkpoint")
+    ckpt = comm.everywhere(lambda: Checkpoint(path), "opening the checkpoint")
     try:
         report = progress if comm.rank == 0 or callable(progress) else False
-        plan = _everywhere(comm, lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
+        plan = comm.everywhere(lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
         opt.settle_for_checkpoint()
         _apply(ckpt, opt, plan)
         if scheduler is not None and plan.state["scheduler"] is not None:
@@ -411,25 +408,6 @@ def _checked(model: torch.nn.Module, optimizer: Any) -> ZeroOptimizer:
     if optimizer.module is not model:
         raise ValueError("this ZeroOptimizer was built for another model; pass the model it wraps")
     return optimizer
-
-
-def _everywhere(comm: Communicator, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
-    """Run ``fn`` on this rank, then hear every rank's outcome: an error on any rank is raised on all of them
-    (with that rank's message). Returns this rank's result, or with ``share`` every rank's (JSON values)."""
-    error, result = None, None
-    try:
-        result = fn()
-    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
-        error = err
-    outcomes = comm.all_gather_json({"error": None if error is None else [type(error).__name__, str(error)],
-                                     "result": result if share else None}, what=what)
-    if error is not None:
-        raise error
-    for rank, outcome in enumerate(outcomes):
-        if outcome["error"] is not None:
-            kind, message = outcome["error"]
-            raise _ERRORS.get(kind, RuntimeError)(f"rank {rank} failed while {what}: {message}")
-    return [o["result"] for o in outcomes] if share else result
 
 
 def _hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zero
-from zero.models import GPT, GPTConfig, synthetic_batch
+from tests.gpu.common import train
+from zero.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,26 +23,14 @@ def _build(stage: int, seed: int, **overrides):
                                      step_kernel="torch", **overrides)
 
 
-def _train(model, opt, steps) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
-        loss = model.loss(x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("after", [{"stage": 3}, {"stage": 2, "offload": {"optimizer": "cpu"}}], ids=["stage3", "offload"])
 def test_cuda_resume(nccl_world_of_one, tmp_path, after):
     model, opt = _build(2, seed=0)
-    _train(model, opt, range(3))
+    train(model, opt, CFG, range(3))
     zero.save_checkpoint(tmp_path / "c", model, opt, progress=False)
-    expected = _train(model, opt, range(3, 6))
+    expected = train(model, opt, CFG, range(3, 6))
     model2, opt2 = _build(seed=1, **after)
     zero.load_checkpoint(tmp_path / "c", model2, opt2, progress=False)
-    got = _train(model2, opt2, range(3, 6))
+    got = train(model2, opt2, CFG, range(3, 6))
     tolerance = 0 if "offload" not in after else 1e-5  # the host AdamW kernel may round unlike the CUDA one
     assert got == pytest.approx(expected, rel=tolerance, abs=0)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.common import train
 from zero import ZeroOptimizer
-from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,12 +25,7 @@ def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
         torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage, offload=offload,
         precision={"param_dtype": "bf16"}, step_kernel="torch",  # the Triton step is compared in test_cuda_step.py
     )
-    for step in range(4):
-        x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
-        opt.backward(model.loss(x, y))
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, CFG, range(4), clip=1.0)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     pieces = sorted((p for b in opt.buckets for p in b.pieces), key=lambda p: p.slot.order)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.common import train
 from zero import ZeroOptimizer
 from zero.kernels.reference import adamw_reference
-from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.models import GPT, GPTConfig
 from zero.stepper import triton_available
 
 pytestmark = [
@@ -45,11 +46,6 @@ def test_zero_uses_triton_on_cuda_and_matches_torch(nccl_world_of_one):
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=2, step_kernel=kernel,
                             precision={"param_dtype": "bf16"})
         assert bool(opt._stepper.triton) == (kernel == "auto")
-        for step in range(3):
-            x, y = (t.cuda() for t in synthetic_batch(step, 4, cfg))
-            opt.backward(model.loss(x, y))
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, cfg, range(3), clip=1.0)
         masters[kernel] = torch.cat(opt.state_dict()["master"])
     torch.testing.assert_close(masters["auto"], masters["torch"], rtol=1e-4, atol=1e-5)  # bf16 forward may round apart

@@ -63,4 +63,9 @@ def test_accelerate_helper_refusals():
         zacc.prepare(accelerator, model, plain, torch.optim.lr_scheduler.StepLR(plain, 1))
     model, opt = zacc.prepare(accelerator, model, plain, stage=2)
     assert isinstance(opt.optimizer, ZeroOptimizer) and opt.comm_stats == {}  # ZeroOptimizer's own API passes through
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    with pytest.raises(RuntimeError, match="clip_grad_norm_"):  # torch's clip, which Accelerate calls: loud
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    assert float(opt.clip_grad_norm_(1.0)) > 0  # the optimizer's own clip: the global norm
     accelerate.state.AcceleratorState._reset_state(True)

@@ -104,19 +104,11 @@ class ZeroTrainer(Trainer):
         checkpoint = output_dir / CHECKPOINT_DIR
         save_checkpoint(checkpoint, self.model, self.zero_optimizer, scheduler=self.lr_scheduler,
                         progress=self.args.should_save)
-        error = None
-        if self.args.should_save:
-            try:
+        def export() -> None:  # rank 0; a failure there is raised on every rank (none waits for it)
+            if self.args.should_save:
                 self._export(checkpoint, output_dir, keep_checkpoint=_internal_call)
-            except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
-                error = err
-        outcomes = self.zero_optimizer.comm.all_gather_json(None if error is None else str(error),
-                                                             what="waiting for the export of the model")
-        if error is not None:
-            raise error
-        failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
-        if failed:
-            raise RuntimeError(f"rank {failed[0][0]} could not export the model to {output_dir}: {failed[0][1]}")
+
+        self.zero_optimizer.comm.everywhere(export, f"exporting the model to {output_dir}")
 
     def _export(self, checkpoint: Path, output_dir: Path, keep_checkpoint: bool) -> None:
         """``model.safetensors`` (or shards), the config, generation config and tokenizer, for ``from_pretrained``."""

@@ -1,0 +1,21 @@
+"""The CUDA tests' training loop: a GPT on synthetic batches, through ``ZeroOptimizer``'s own backward and clip."""
+
+from __future__ import annotations
+
+from zero import ZeroOptimizer
+from zero.models import GPT, GPTConfig, synthetic_batch
+
+
+def train(model: GPT, opt: ZeroOptimizer, cfg: GPTConfig, steps, clip: float | None = None) -> list[float]:
+    """One step per entry of ``steps`` (the batch index), micro-batch 4 on the GPU; returns the losses."""
+    losses = []
+    for step in steps:
+        x, y = (t.cuda() for t in synthetic_batch(step, 4, cfg))
+        loss = model.loss(x, y)
+        opt.backward(loss)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
