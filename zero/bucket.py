@@ -204,13 +204,8 @@ class Bucket:
         """Take into the master chunk the elements of this rank's parameter chunk that differ from it cast
         down: values written since the last step (``model.load_state_dict()``, an edit inside
         ``gathered_parameters()``). The other elements keep their full precision."""
-        if self.master_buffer is None:
-            return
-        with torch.no_grad():
-            master, shard = self.master_buffer.data, self.shard
-            on_shard = master.to(device=shard.device)
-            edited = shard.ne(on_shard.to(shard.dtype))
-            master.copy_(torch.where(edited, shard.to(master.dtype), on_shard))
+        if self.master_buffer is not None:
+            adopt_edits_(self.master_buffer.data, self.shard)
 
     def make_master_grads(self, inv_scale: float) -> None:
         """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
@@ -330,3 +325,19 @@ class Bucket:
     @property
     def is_ready(self) -> bool:
         return self.num_ready == len(self.slots)
+
+
+ADOPT_BLOCK = 1 << 20  # elements per pass of adopt_edits_: bounds its temporaries to a few MiB
+
+
+@torch.no_grad()
+def adopt_edits_(master: torch.Tensor, shard: torch.Tensor) -> None:
+    """Write into ``master`` (1D) the elements of ``shard`` (its low-precision copy, 1D) that differ from ``master``
+    cast down, one block of ``ADOPT_BLOCK`` elements at a time, so that its temporaries (the cast copies, the mask
+    and the result, about 11 bytes per element for bf16) stay a few MiB whatever the bucket's size, also when
+    ``master`` is in host memory."""
+    for start in range(0, master.numel(), ADOPT_BLOCK):
+        high, low = master[start : start + ADOPT_BLOCK], shard[start : start + ADOPT_BLOCK]
+        here = high.to(device=low.device)  # ``high`` itself when both are on one device
+        edited = low.ne(here.to(low.dtype))
+        high.copy_(torch.where(edited, low.to(high.dtype), here))

@@ -14,7 +14,7 @@ import torch
 
 import zero
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
-from zero.profiler import estimate, trace
+from zero.profiler import Workload, estimate
 
 # benchmarks/step_time.py's model: 3.3M parameters, one 12.7 MiB bucket
 BENCH = GPTConfig(vocab_size=512, seq_len=128, d_model=256, num_layers=4, num_heads=4)
@@ -77,14 +77,12 @@ def profiled_run(rank: int, world_size: int, stage: int, micro_batch: int, every
 def profile_checks(rank: int, world_size: int) -> dict:
     """Every stage and micro-batch sampled at module boundaries (for the estimator), and, at world
     size 2, at every operator too (reconciliation and activations at the peak)."""
-    traced = trace(lambda: GPT(BENCH), lambda m, x, y: m.loss(x, y), synthetic_batch(0, 1, BENCH))
+    workload = Workload(lambda: GPT(BENCH), lambda m, x, y: m.loss(x, y), lambda micro: synthetic_batch(0, micro, BENCH))
     runs, estimates = {}, {}
     for stage in STAGES:
         for micro in MICRO_BATCHES:
             runs[(stage, micro, False)] = profiled_run(rank, world_size, stage, micro, every_op=False)
-            estimates[(stage, micro)] = estimate(
-                traced, stage=stage, world_size=world_size, micro_batch=micro, traced_micro_batch=1,
-            ).peak
+            estimates[(stage, micro)] = estimate(workload, stage=stage, world_size=world_size, micro_batch=micro).peak
         if world_size == 2:
             runs[(stage, 4, True)] = profiled_run(rank, world_size, stage, 4, every_op=True)
     return {"runs": runs, "estimates": estimates, "saved": {m: saved_tensor_bytes(m) for m in MICRO_BATCHES}}

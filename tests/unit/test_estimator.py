@@ -11,7 +11,8 @@ import torch
 from zero import zero_model_state_bytes
 from zero.cli import main as cli_main
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.profiler import estimate, model_states, parse_size, plan, trace
+import zero
+from zero.profiler import Workload, estimate, model_states, parse_size, plan, sources, trace
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
 
@@ -59,74 +60,203 @@ def test_fake_trace_counts_exactly_what_a_real_forward_saves(batch):
     assert traced.output_bytes == batch * SMALL.seq_len * SMALL.vocab_size * 4  # the logits
 
 
-def test_a_billion_parameter_model_is_estimated_in_seconds_without_allocating_it():
-    cfg = GPTConfig(vocab_size=50304, seq_len=1024, d_model=2048, num_layers=24, num_heads=16)
+def _gpt_workload(cfg: GPTConfig = SMALL) -> Workload:
+    return Workload(lambda: GPT(cfg), _gpt_loss, lambda micro: synthetic_batch(0, micro, cfg))
+
+
+def _real_step_peak(model, loss_fn, batch) -> tuple[int, int]:
+    """zero.profile of a plain forward, loss and backward: the largest activations + temporaries + gradients at
+    any operator, and the allocator's peak over what the run started with."""
+    with zero.profile(model, every_op=True) as prof:
+        loss_fn(model, *batch).backward()
+    own = max(sum(s.categories[c] for c in ("activations", "temporaries", "gradients")) for s in prof.samples)
+    return own, prof.allocator.peak - prof.samples[0].allocated
+
+
+def test_the_fake_timeline_is_the_real_step_operator_by_operator():
+    """Hugging Face GPT-2 computing its loss inside forward: the traced step's largest live bytes are what the
+    tracker and the allocator measure in the real step (to within a few small tensors: 768 bytes of 1.2 MB)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    x = torch.randint(0, 256, (3, 32))
+    torch.manual_seed(0)
+    real, allocator = _real_step_peak(GPT2LMHeadModel(config), lambda m, ids: m(input_ids=ids, labels=ids).loss, (x,))
+    workload = Workload(lambda: GPT2LMHeadModel(config), lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                        lambda micro: (torch.zeros(micro, 32, dtype=torch.long),))
+    traced = max(p.total for p in workload.timeline(3).points)
+    assert traced == pytest.approx(real, rel=1e-3) and traced == pytest.approx(allocator, rel=1e-3)
+
+
+def test_large_micro_batches_are_extrapolated_exactly():
+    workload = _gpt_workload()
+    extrapolated = workload.timeline(7)
+    assert extrapolated.points == workload._trace(7, "fp32", False).points
+    assert set(workload._timelines) == {(2, "fp32", ""), (3, "fp32", ""), (7, "fp32", "")}  # 7 was not traced
+
+
+def test_the_step_trace_prices_the_wrapped_optimizer():
+    """AdamW keeps 8 bytes per element (+ a step count per piece); SGD with momentum 4; its temporaries
+    (AdamW's per-tensor step: sqrt and division of the largest piece) are what the fake step made."""
+    workload = _gpt_workload()
+    layout = workload.layout(1, 2)
+    adam = workload.step(layout)
+    assert 8 <= adam.state_per_element < 8.01
+    largest = max(p for b in layout.buckets for p in b.pieces)
+    assert 8 * largest <= adam.update < 9 * largest
+    sgd = Workload(lambda: GPT(SMALL), _gpt_loss, lambda m: synthetic_batch(0, m, SMALL),
+                   optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)).step(layout)
+    assert sgd.state_per_element == 4 and sgd.adopt == 0
+
+
+def test_a_seven_billion_parameter_model_is_planned_in_seconds_without_allocating_it():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=32,
+                         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)
-    traced = trace(lambda: GPT(cfg), _gpt_loss, (tokens, tokens))
-    result = plan(traced, gpu_memory=parse_size("24GiB"), world_size=8, micro_batches=[1, 2], traced_micro_batch=1)
-    assert time.perf_counter() - start < 60
-    assert traced.numel > 1_000_000_000
+    from transformers import LlamaForCausalLM
+
+    workload = Workload(lambda: LlamaForCausalLM(config), sources.hf_loss,
+                        lambda micro: (torch.zeros(micro, 512, dtype=torch.long),))
+    result = plan(workload, gpu_memory=parse_size("80GB"), world_size=64, micro_batches=[1, 8], precision="mixed")
+    assert time.perf_counter() - start < 120
+    numel = sum(p.numel() for p in workload.model().parameters())
+    assert numel > 6_500_000_000
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    assert grown < 0.5 * 4 * traced.numel  # the fp32 weights alone would be 5 GB
+    assert grown < 0.05 * 2 * numel  # the bf16 weights alone would be 13 GB
     assert result.fits and result.rejected
+    stage3 = next(e for e in result.fits if e.stage == 3 and e.micro_batch == 8 and not e.checkpointing)
+    # at its peak (the loss's backward) stage 3 holds its bf16 shards, the root unit (embeddings, head) and the last
+    # layer, which forward left gathered for backward
+    layout = workload.layout(3, 64, "mixed")
+    gathered = sum(b.whole for b in layout.buckets if b.unit in ("", "model.layers.31"))
+    assert stage3.event == "_log_softmax_backward_data operator"
+    assert stage3.parameters == sum(b.shard for b in layout.buckets) + gathered
 
 
 def test_estimates_move_the_right_way():
-    x, y = synthetic_batch(0, 2, SMALL)
-    traced = trace(lambda: GPT(SMALL), _gpt_loss, (x, y))
+    workload = _gpt_workload()
 
     def peak(**kw):
-        args = dict(stage=2, world_size=4, micro_batch=16, traced_micro_batch=2)
-        return estimate(traced, **{**args, **kw}).peak
+        args = dict(stage=2, world_size=4, micro_batch=16)
+        return estimate(workload, **{**args, **kw}).peak
 
     assert peak(stage=1) < peak(stage=0) and peak(stage=2) < peak(stage=1)
     assert peak(world_size=8) < peak(world_size=2)
     assert peak(micro_batch=32) > peak(micro_batch=16)
     assert peak(checkpointing=True) < peak()
     assert peak(offload=True) < peak()
-    e = estimate(traced, stage=3, world_size=4, micro_batch=16, traced_micro_batch=2)
-    assert e.moment == "start of backward" and e.gathered_parameters > 0 and e.gradients == 0
-    # with little activation memory, stages 2-3 peak while a bucket's gradients are reduced instead
-    small = estimate(traced, stage=2, world_size=4, micro_batch=1, traced_micro_batch=2)
-    assert small.moment == "gradient reduction" and small.activations == 0
-    assert small.gradients == 2 * 4 * traced.numel  # one bucket holds the whole model: grads + staging
+    e = estimate(workload, stage=3, world_size=4, micro_batch=16)
+    assert e.phase == "backward" and e.gradients < e.activations
+    # with little activation memory, stage 2 peaks when its one bucket is reduced: gradients and staging, whole
+    small = estimate(workload, stage=2, world_size=4, micro_batch=1)
+    numel = sum(p.numel() for p in workload.model().parameters())
+    assert small.event == "gradient reduction" and small.communication == 4 * numel
 
 
 def test_planner_says_why_nothing_fits():
-    x, y = synthetic_batch(0, 2, SMALL)
-    traced = trace(lambda: GPT(SMALL), _gpt_loss, (x, y))
-    result = plan(traced, gpu_memory=1024, world_size=2, micro_batches=[1], traced_micro_batch=2)
+    workload = _gpt_workload()
+    result = plan(workload, gpu_memory=1024, world_size=2, micro_batches=[1])
     assert not result.fits
-    assert all("needs" in why and "largest part" in why for _, why in result.rejected)
-    roomy = plan(traced, gpu_memory=2**30, world_size=2, micro_batches=[1, 2], traced_micro_batch=2)
+    assert all("needs" in why and "largest part" in why and " at " in why for _, why in result.rejected)
+    roomy = plan(workload, gpu_memory=2**30, world_size=2, micro_batches=[1, 2])
     assert roomy.fits[0].micro_batch == 2 and not roomy.fits[0].checkpointing  # best first
 
 
 def test_bad_input():
     with pytest.raises(ValueError, match="GPU memory must be positive"):
-        plan(trace(lambda: GPT(SMALL), _gpt_loss, synthetic_batch(0, 2, SMALL)), gpu_memory=0, world_size=2,
-             micro_batches=[1], traced_micro_batch=1)
+        plan(_gpt_workload(), gpu_memory=0, world_size=2, micro_batches=[1])
     for text in ("lots", "-3GiB", "24 parsecs"):
         with pytest.raises(ValueError, match="memory size"):
             parse_size(text)
     with pytest.raises(ValueError, match="precision must be one of"):
         model_states(10, 2, 1, "fp8")
+    with pytest.raises(ValueError, match="offload needs stage 1, 2 or 3"):
+        estimate(_gpt_workload(), stage=0, world_size=2, micro_batch=1, offload=True)
 
     def data_dependent(model, x, y):  # cannot run without data
         return model.loss(x[:, : int(x.max().item()) + 1], y)
 
     with pytest.raises(ValueError, match="could not trace the model on fake tensors"):
         trace(lambda: GPT(SMALL), data_dependent, synthetic_batch(0, 2, SMALL))
+    branchy = Workload(lambda: GPT(SMALL), data_dependent, lambda m: synthetic_batch(0, m, SMALL))
+    with pytest.raises(ValueError, match="failed while tracing the step on fake tensors.*data-dependent control flow"):
+        estimate(branchy, stage=1, world_size=2, micro_batch=2)
+    not_a_model = Workload(lambda: "GPT", _gpt_loss, lambda m: synthetic_batch(0, m, SMALL))
+    with pytest.raises(ValueError, match="must return a torch.nn.Module, got str"):
+        estimate(not_a_model, stage=1, world_size=2, micro_batch=2)
+    not_a_loss = Workload(lambda: GPT(SMALL), lambda m, x, y: m(x), lambda m: synthetic_batch(0, m, SMALL))
+    with pytest.raises(ValueError, match="must return the scalar loss tensor, got \\(2, 8, 64\\)"):
+        estimate(not_a_loss, stage=1, world_size=2, micro_batch=2)
 
 
 def test_cli(capsys):
     small = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2", "--heads", "2"]
     assert cli_main(["estimate", "--gpu-memory", "64MiB", "--world-size", "2", *small]) == 0
     out = capsys.readouterr().out
-    assert "fits, best first" in out and "stage 0, micro-batch 8" in out
+    assert "fits, best first" in out and "stage 0, micro-batch 8" in out and "peak at" in out
     with pytest.raises(SystemExit):
         cli_main(["estimate", "--gpu-memory", "24 parsecs", *small])
     with pytest.raises(SystemExit):
         cli_main(["estimate", "--gpu-memory", "24GiB", "--no-such-flag"])
+
+
+# a model module for --model (imported by name from this test module)
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+
+
+def tiny_workload():
+    return _gpt_workload()
+
+
+def not_a_model():
+    return 42
+
+
+def unknown_inputs():
+    return torch.nn.Linear(4, 4)
+
+
+def base_model_without_loss():
+    from transformers import GPT2Config, GPT2Model
+
+    return GPT2Model(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+
+
+def _estimate_cli(capsys, *args) -> tuple[int, str, str]:
+    code = cli_main(["estimate", "--gpu-memory", "1GiB", "--world-size", "2", "--micro-batch", "2", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_plans_for_a_callable_or_a_hugging_face_config(capsys, tmp_path):
+    code, out, _ = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:tiny_gpt2", "--seq-len", "16")
+    assert code == 0 and "tests.unit.test_estimator:tiny_gpt2 (16 tokens)" in out and "fits, best first" in out
+    code, out, _ = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:tiny_workload")
+    assert code == 0 and "fits, best first" in out
+    tiny_gpt2().config.save_pretrained(tmp_path)
+    code, out, _ = _estimate_cli(capsys, "--hf-config", str(tmp_path), "--seq-len", "16")
+    assert code == 0 and "fits, best first" in out
+    direct = estimate(sources.from_hf_config(str(tmp_path / "config.json"), 16), stage=2, world_size=2, micro_batch=2)
+    assert f"{direct.peak / 2**30:.2f}" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "tests.unit.test_estimator:not_a_model"], "returned a int, not a torch.nn.Module"),
+        (["--model", "tests.unit.test_estimator:unknown_inputs"], "cannot tell this model's inputs and loss"),
+        (["--model", "tests.unit.test_estimator:base_model_without_loss"], "holds no loss when given labels"),
+        (["--model", "no_such_module_here:build"], "cannot import it"),
+        (["--model", "tests.unit.test_estimator"], "wants module:function"),
+        (["--hf-config", "/no/such/config"], "no such file or directory"),
+    ],
+)
+def test_cli_refuses_bad_models_in_one_line(capsys, args, message):
+    code, _, err = _estimate_cli(capsys, *args)
+    assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("zero estimate: ")

@@ -9,17 +9,16 @@ import sys
 import time
 from typing import Any
 
-import torch
 
 from zero.config import ZeroConfig
-from zero.models import GPT, add_gpt_arguments, gpt_config, positive_int
-from zero.profiler.estimator import GiB, Estimate, plan, trace
+from zero.models import add_gpt_arguments, gpt_config, positive_int
+from zero.profiler import sources
+from zero.profiler.estimator import GiB, Estimate, plan
+from zero.profiler.workload import POLICIES, Workload
 
-# ZeroConfig(precision=...) for each --precision the estimator prices (tests: the same bytes as PRECISIONS)
+# ZeroConfig(precision=...) for each --precision the estimator prices
 PRECISION_POLICIES: dict[str, dict[str, str]] = {
-    "fp32": {},
-    "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
-    "mixed-fp32-reduce": {"param_dtype": "bf16"},
+    name: policy.model_dump(exclude_defaults=True) for name, policy in POLICIES.items()
 }
 
 # a memory size on the command line: a number of GiB, or a number with a unit (case-insensitive)
@@ -54,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fp32 master weights; the default); mixed-fp32-reduce (bf16 parameters and gradients, "
                         "gradients reduced and kept in fp32)")
     add_gpt_arguments(parser, vocab=50304, seq_len=1024, d_model=2048, layers=24, heads=16)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="MODULE:FUNCTION",
+                        help="plan for your own model: a function that returns it (a language model with "
+                        "config.vocab_size, fed --seq-len tokens) or a zero.profiler.Workload; replaces the GPT "
+                        "options but --seq-len")
+    source.add_argument("--hf-config", metavar="PATH",
+                        help="plan for a Hugging Face causal LM built from this config.json (or a directory "
+                        "holding one), trained on its own loss; replaces the GPT options but --seq-len")
     parser.add_argument("--show", type=positive_int, default=8,
                         help="how many fitting and how many rejected configurations to list (default 8)")
     parser.add_argument("--json", type=str, default=None, metavar="FILE",
@@ -78,16 +85,35 @@ def zero_config(e: Estimate) -> ZeroConfig:
     return ZeroConfig(**zero_config_kwargs(e))
 
 
-def main(args: argparse.Namespace) -> int:
+def workload(args: argparse.Namespace) -> tuple[Workload, str]:
+    """The model the options name, and how to describe it."""
+    if args.model:
+        return sources.from_callable(args.model, args.seq_len), f"{args.model} ({args.seq_len} tokens)"
+    if args.hf_config:
+        return sources.from_hf_config(args.hf_config, args.seq_len), f"{args.hf_config} ({args.seq_len} tokens)"
     cfg = gpt_config(args)
-    print(f"tracing a GPT ({cfg}) on fake tensors (no memory is allocated) ...", flush=True)
+    return sources.gpt(cfg), f"a GPT ({cfg})"
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _plan_and_print(args)
+    except ValueError as err:  # a model that cannot be loaded or traced: one line, no traceback
+        print(f"zero estimate: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan_and_print(args: argparse.Namespace) -> int:
+    work, described = workload(args)
+    print(f"tracing {described}: forward, loss and backward on fake tensors (no memory is allocated) ...",
+          flush=True)
     start = time.perf_counter()
-    tokens = torch.zeros(1, cfg.seq_len, dtype=torch.long)
-    traced = trace(lambda: GPT(cfg), lambda m, x, y: m.loss(x, y), (tokens, tokens))
-    print(f"  {traced.numel / 1e9:.3f}B parameters, {traced.activation_bytes / GiB:.2f} GiB saved for backward "
-          f"per sequence (fp32), {len(traced.unit_numels)} stage-3 units ({time.perf_counter() - start:.1f}s)")
-    result = plan(traced, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
-                  traced_micro_batch=1, precision=args.precision)
+    model = work.model()
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"  {numel / 1e9:.3f}B trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
+    progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
+    result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
+                  precision=args.precision, progress=progress)
     budget = 0.9 * args.gpu_memory
     print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
           f"budget {budget / GiB:.2f} GiB (90% of {args.gpu_memory / GiB:.2f} GiB)")
@@ -105,12 +131,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
         for e, why in rejected:
             print(f"  {_label(e):<44} {why}")
-    listed = shown + [e for e, _ in rejected]
-    if any(e.moment != "start of backward" for e in listed):
-        print("* peaks while a bucket's gradients are reduced, not at the start of backward")
-    notes = sorted({n for e in listed for n in e.notes})
-    for note in notes:
-        print(f"note: {note}")
     if args.json:
         data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],
                 "rejected": [{**e.as_dict(), "zero_config": zero_config_kwargs(e), "why": why}
@@ -131,14 +151,17 @@ def _count(n: int, noun: str) -> str:
 
 def _label(e: Estimate) -> str:
     extras = [x for x, on in (("checkpointing", e.checkpointing), ("offload", e.offload)) if on]
-    label = f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
-    return label + (" *" if e.moment != "start of backward" else "")
+    return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
 
 
 def _table(rows: list[Estimate]) -> None:
-    columns = ("peak", "params", "grads", "optim", "activ", "gather", "out-grad", "host")
-    print(f"  {'configuration':<44} " + " ".join(f"{c:>8}" for c in columns) + "   (GiB; host: CPU memory)")
+    columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host")
+    print(f"  {'configuration':<44} " + " ".join(f"{c:>7}" for c in columns) + "  peak at  (GiB; host: CPU memory)")
     for e in rows:
-        figures = [e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations, e.gathered_parameters,
-                   e.output_gradient, e.host]
-        print(f"  {_label(e):<44} " + " ".join(f"{v / GiB:>8.2f}" for v in figures))
+        figures = [e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations, e.temporaries,
+                   e.communication, e.host]
+        print(f"  {_label(e):<44} " + " ".join(f"{v / GiB:>7.2f}" for v in figures) + f"  {_where(e)}")
+
+
+def _where(e: Estimate) -> str:
+    return f"{e.phase}, {e.event}" + (f" in {e.module}" if e.module and e.phase != "step" else "")

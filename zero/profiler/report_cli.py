@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
 from zero.optimizer import ZeroOptimizer
-from zero.profiler.estimator import estimate, trace
+from zero.profiler import sources
+from zero.profiler.estimator import estimate
 from zero.profiler.tracker import profile
 
 MiB = 2**20
@@ -114,11 +115,10 @@ def _run_rank(args: argparse.Namespace) -> int:
     peaks = opt.comm.all_gather_object((prof.allocator.peak, prof.peak.phase, prof.peak.module))
     say("\n" + prof.report())
     say("\nper rank: " + ", ".join(f"rank {r} {p / MiB:.2f} MiB ({ph}, {m or '-'})" for r, (p, ph, m) in enumerate(peaks)))
-    traced = trace(lambda: GPT(cfg), lambda m, a, b: m.loss(a, b), synthetic_batch(0, 1, cfg))
-    e = estimate(traced, stage=args.stage, world_size=world, micro_batch=args.micro_batch, traced_micro_batch=1)
+    e = estimate(sources.gpt(cfg), stage=args.stage, world_size=world, micro_batch=args.micro_batch)
     measured = prof.allocator.peak_without_collectives
-    say(f"estimated peak (zero estimate): {e.peak / MiB:.2f} MiB at the {e.moment}; measured without gloo's own "
-        f"buffers: {measured / MiB:.2f} MiB ({e.peak / measured:.3f}x)")
+    say(f"estimated peak (zero estimate): {e.peak / MiB:.2f} MiB ({e.phase}, {e.event}); measured without gloo's "
+        f"own buffers: {measured / MiB:.2f} MiB ({e.peak / measured:.3f}x)")
     if rank == 0 and args.json:
         prof.to_json(args.json)
         print(f"wrote {args.json}")

@@ -1,0 +1,128 @@
+"""The estimator against ``zero.profile`` on the same configuration: rank 0 of a world of N in torch's fake
+process group (collectives return at once; every byte rank 0 holds is real).
+
+Run in its own process (``python -m tests.distributed.estimate_world N [FILTER]``): it initializes the default
+process group. Prints one JSON line: for each model, stage and micro-batch, the measured peak (the
+allocator's, less what the process held before) and the estimate, with both breakdowns.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero
+from zero.models import GPT, GPTConfig
+from zero.profiler import Workload, estimate
+
+MICRO_BATCHES = (2, 4)
+STAGES = (0, 1, 2, 3)
+VOCAB, SEQ = 512, 64
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ,
+    ))
+
+
+def _tokens(micro: int) -> tuple:
+    return (torch.randint(0, VOCAB, (micro, SEQ)),)
+
+
+def _hf_loss(model, x):
+    return model(input_ids=x, labels=x).loss
+
+
+MODELS = {
+    "gpt": (lambda: GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=64, num_layers=2, num_heads=4)),
+            lambda m, x: m.loss(x, x), _tokens),
+    "hf-gpt2": (_gpt2, _hf_loss, _tokens),
+    "hf-llama": (_llama, _hf_loss, _tokens),
+    "cnn": (SmallCNN, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+            lambda micro: (torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,)))),
+}
+
+
+# (precision, checkpointing) variants priced on the project's GPT, besides fp32 without checkpointing
+VARIANTS = (("mixed-fp32-reduce", False), ("mixed", False), ("fp32", True))
+POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"}, "mixed-fp32-reduce": {"param_dtype": "bf16"}}
+
+
+def measure(build, loss_fn, batch, stage: int, precision: str = "fp32", checkpointing: bool = False) -> dict:
+    gc.collect()
+    torch.manual_seed(0)
+    model = build()
+    extra = {"activation_checkpointing": {}} if checkpointing else {}
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage,
+                             precision=POLICIES[precision], **extra)
+    with zero.profile(model, opt, every_op=False) as prof:
+        for _ in range(2):
+            loss_fn(model, *batch).backward()
+            opt.step()
+            opt.zero_grad()
+    peak = prof.peak
+    result = {
+        "measured": prof.allocator.peak_without_collectives - prof.samples[0].labels.get("other/alive on entry", 0),
+        "categories": {k: v for k, v in peak.categories.items() if v},
+        "where": f"{peak.phase} {peak.module} {peak.event}",
+    }
+    del prof, opt, model, peak
+    gc.collect()
+    return result
+
+
+def main(world_size: int, only: str = "") -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    out = {}
+    runs = [(name, micro, "fp32", False) for name in MODELS for micro in MICRO_BATCHES]
+    runs += [("gpt", MICRO_BATCHES[0], precision, checkpointing) for precision, checkpointing in VARIANTS]
+    workloads = {name: Workload(*MODELS[name]) for name in MODELS}
+    for name, micro, precision, checkpointing in runs:
+        if only not in f"{name}/{precision}":  # (a filter, to look at one case)
+            continue
+        build, loss_fn, make_batch = MODELS[name]
+        torch.manual_seed(micro)
+        batch = make_batch(micro)
+        for stage in STAGES:
+            run = measure(build, loss_fn, batch, stage, precision, checkpointing)
+            e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
+                         checkpointing=checkpointing)
+            run.update(estimated=e.peak, estimated_categories={k: v for k, v in e.categories.items() if v},
+                       estimated_where=f"{e.phase} {e.module} {e.event}")
+            out[f"{name}/{stage}/{micro}/{precision}{'/checkpointing' if checkpointing else ''}"] = run
+    print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), *sys.argv[2:])
