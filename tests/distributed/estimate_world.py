@@ -76,14 +76,15 @@ VARIANTS = (("mixed-fp32-reduce", False), ("mixed", False), ("fp32", True))
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"}, "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
 
-def measure(build, loss_fn, batch, stage: int, precision: str = "fp32", checkpointing: bool = False) -> dict:
+def measure(build, loss_fn, batch, stage: int, precision: str = "fp32", checkpointing: bool = False,
+            every_op: bool = False) -> dict:
     gc.collect()
     torch.manual_seed(0)
     model = build()
     extra = {"activation_checkpointing": {}} if checkpointing else {}
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage,
                              precision=POLICIES[precision], **extra)
-    with zero.profile(model, opt, every_op=False) as prof:
+    with zero.profile(model, opt, every_op=every_op) as prof:
         for _ in range(2):
             loss_fn(model, *batch).backward()
             opt.step()
@@ -120,6 +121,12 @@ def main(world_size: int, only: str = "") -> None:
             run.update(estimated=e.peak, estimated_categories={k: v for k, v in e.categories.items() if v},
                        estimated_where=f"{e.phase} {e.module} {e.event}")
             out[f"{name}/{stage}/{micro}/{precision}{'/checkpointing' if checkpointing else ''}"] = run
+    # sampled after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)
+    for stage in STAGES if not only else ():
+        build, loss_fn, make_batch = MODELS["gpt"]
+        run = measure(build, loss_fn, make_batch(MICRO_BATCHES[-1]), stage, every_op=True)
+        e = estimate(workloads["gpt"], stage=stage, world_size=world_size, micro_batch=MICRO_BATCHES[-1])
+        out[f"every-op/gpt/{stage}"] = {**run, "estimated": e.peak, "estimated_categories": e.categories}
     print(json.dumps(out))
     dist.destroy_process_group()
 

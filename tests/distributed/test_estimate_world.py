@@ -1,5 +1,5 @@
 """The estimator against ``zero.profile`` on the same configuration, rank 0 of worlds of 1, 2 and 3 in torch's
-fake process group (``estimate_world``): the project's GPT, Hugging Face GPT-2 and Llama with the loss inside
+fake process group (``estimate_world``), with the breakdown by category at the peak for the GPT: the project's GPT, Hugging Face GPT-2 and Llama with the loss inside
 ``forward``, and a CNN with batch norm, at stages 0-3 and two micro-batches; the GPT also with activation
 checkpointing and under both mixed-precision policies. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two
 sequence lengths (``estimate_scale``).
@@ -57,8 +57,13 @@ def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, worl
     expected = {f"{name}/{stage}/{micro}/fp32" for name in MODELS for stage in STAGES for micro in MICRO_BATCHES}
     expected |= {f"gpt/{stage}/{MICRO_BATCHES[0]}/{precision}{'/checkpointing' if checkpointing else ''}"
                  for stage in STAGES for precision, checkpointing in VARIANTS}
-    assert set(runs) == expected
+    assert set(runs) == expected | {f"every-op/gpt/{stage}" for stage in STAGES}
     for key, run in runs.items():
+        if key.startswith("every-op/"):  # the breakdown, category by category, against the peak sample's
+            assert run["estimated"] == pytest.approx(run["measured"], rel=0.05), key
+            for category, measured in run["categories"].items():
+                assert run["estimated_categories"][category] == pytest.approx(measured, abs=0.02 * run["measured"])
+            continue
         ratio = run["estimated"] / run["measured"]
         low = 0.93 if "mixed" in key else 0.95
         assert low <= ratio <= 1.05, (world_size, key, ratio, run)

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import sources
-from zero.profiler.estimator import estimate
-from zero.profiler.tracker import profile
+from zero.memory import CATEGORIES
+from zero.profiler.estimator import Estimate, estimate
+from zero.profiler.tracker import Sample, profile
 
 MiB = 2**20
 
@@ -119,6 +120,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     measured = prof.allocator.peak_without_collectives
     say(f"estimated peak (zero estimate): {e.peak / MiB:.2f} MiB ({e.phase}, {e.event}); measured without gloo's "
         f"own buffers: {measured / MiB:.2f} MiB ({e.peak / measured:.3f}x)")
+    say(side_by_side(e, prof.peak))
     if rank == 0 and args.json:
         prof.to_json(args.json)
         print(f"wrote {args.json}")
@@ -126,3 +128,15 @@ def _run_rank(args: argparse.Namespace) -> int:
         prof.plot(args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def side_by_side(e: Estimate, peak: Sample) -> str:
+    """The estimate's categories next to those of the measured peak sample (MiB), and where each is."""
+    lines = [f"  {'':<16} {'estimated':>10} {'measured':>10}"]
+    for category in CATEGORIES:
+        got, measured = e.categories.get(category, 0), peak.categories.get(category, 0)
+        if got or measured:
+            lines.append(f"  {category:<16} {got / MiB:>10.2f} {measured / MiB:>10.2f}")
+    lines.append(f"  estimated at: {e.phase}, {e.event}{' in ' + e.module if e.module else ''}; measured sample: "
+                 f"{peak.phase}, {peak.event}{' in ' + peak.module if peak.module else ''}")
+    return "\n".join(lines)

@@ -162,17 +162,29 @@ class _Gathering:
     backward_order: list[str]
     prefetch: int
     gathered: set[str] = field(default_factory=set)
+    prefetched: set[str] = field(default_factory=set)  # gathering, not yet waited for (the tracker's "communication")
     finished: str | None = None
     got: dict[str, int] = field(default_factory=dict)
     in_backward: set[str] = field(default_factory=set)
 
     @property
     def bytes(self) -> int:
-        return sum(self.unit_bytes[u] for u in self.gathered)
+        """Gathered and waited for."""
+        return sum(self.unit_bytes[u] for u in self.gathered - self.prefetched)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.unit_bytes[u] for u in self.prefetched)
+
+    def _use(self, unit: str) -> None:
+        self.gathered.add(unit)
+        self.prefetched.discard(unit)
 
     def _prefetch(self, order: list[str], unit: str) -> None:
         at = order.index(unit) + 1 if unit in order else len(order)
-        self.gathered.update(order[at : at + self.prefetch])
+        started = set(order[at : at + self.prefetch]) - self.gathered
+        self.gathered |= started
+        self.prefetched |= started
 
     def _release_finished(self, keep: str) -> None:
         finished, self.finished = self.finished, None
@@ -183,16 +195,16 @@ class _Gathering:
         name = point.name
         if point.kind == "enter" and name in self.unit_bytes and point.phase == "forward":
             self._release_finished(keep=name)
-            self.gathered.add(name)
+            self._use(name)
             self._prefetch(self.forward_order, name)
         elif point.kind == "enter" and name in self.unit_bytes:  # recomputed in backward
-            self.gathered.add(name)
+            self._use(name)
         elif point.kind == "leave" and name in self.unit_bytes and point.phase == "forward" and name:
             self._release_finished(keep=name)
             self.finished = name
         elif point.kind == "reach" and name in self.unit_bytes and name not in self.in_backward:
             self.in_backward.add(name)
-            self.gathered.add(name)
+            self._use(name)
             self._prefetch(self.backward_order, name)
         elif point.kind == "grad":
             unit = self.unit_of.get(name)
@@ -206,6 +218,11 @@ class _Gathering:
 
     def end_backward(self) -> None:
         self.gathered &= {""}
+        self.prefetched &= {""}
+
+    def release_all(self) -> None:
+        self.gathered.clear()
+        self.prefetched.clear()
 
 
 def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options) -> Peak:
@@ -231,7 +248,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
         cats["activations"] = point.activations
         cats["temporaries"] = point.temporaries
         cats["gradients"] = gradients
-        cats["communication"] = reduction.staging if reduction is not None else 0
+        cats["communication"] = (reduction.staging if reduction is not None else 0) + (
+            gathering.in_flight if gathering is not None else 0)
         total = sum(cats.values())
         if total > best.total:
             best = Peak({c: float(cats.get(c, 0)) for c in CATEGORIES}, point.phase, point.module,
@@ -262,7 +280,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     # the step: the gathered units are released; under mixed precision every bucket's masters adopt edits,
     # then the optimizer's gradients are made for every bucket, then each bucket steps in turn
     if gathering is not None:
-        gathering.gathered.clear()
+        gathering.release_all()
     grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
     master_grads = 0 if options.offload else sum(b.master_grad for b in buckets)
     on_device = 0.0 if options.offload else 1.0  # an offloaded step runs on the host
