@@ -32,7 +32,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero.activations import MATMULS
 from zero.memory import CATEGORIES
-from zero.outputs import tensors_in
 from zero.precision import DTYPES, MixedPrecision
 from zero.profiler.schedule import Options, replay
 from zero.profiler.workload import POLICIES, Checkpointing, Workload, policy_key
@@ -102,11 +101,9 @@ class Trace:
     """What one fake forward found (for one micro-batch)."""
 
     numel: int
-    unit_numels: dict[str, int]  # stage 3's default units ("" is the root unit)
     activation_bytes: int  # saved for backward, parameters excluded
     unit_activation_bytes: dict[str, int]  # saved while each unit's forward ran (outermost first)
     unit_input_bytes: dict[str, int]  # what activation checkpointing keeps per unit
-    output_bytes: int  # the forward's output (its gradient is backward's first buffer)
     unit_matmul_bytes: dict[str, int] = field(default_factory=dict)  # matmul outputs per unit (selective checkpointing)
 
 
@@ -147,8 +144,7 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
         return t
 
     matmuls: dict[str, int] = {u.name: 0 for u in units}
-    outputs: list[int] = []
-    hooks = [model.register_forward_hook(_record_output(outputs))]
+    hooks = []
     for unit in units:
         if unit.name:
             hooks.append(unit.module.register_forward_pre_hook(_enter(stack, inputs, unit.name)))
@@ -163,11 +159,9 @@ def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
         raise ValueError("loss_fn returned a tensor with no gradient: nothing to train")
     return Trace(
         numel=sum(p.numel() for p in params if p.requires_grad),
-        unit_numels={u.name: sum(p.numel() for p in u.params) for u in units},
         activation_bytes=sum(saved.values()),
         unit_activation_bytes=per_unit,
         unit_input_bytes=inputs,
-        output_bytes=max(outputs, default=0),
         unit_matmul_bytes=matmuls,
     )
 
@@ -200,16 +194,6 @@ def _leave(stack: list[str]):
         stack.pop()
 
     return leave
-
-
-def _record_output(outputs: list[int]):
-    """Bytes of the model's forward output (e.g. the logits): backward's first buffer is its gradient."""
-
-    def record(module: nn.Module, args: Any, output: Any) -> None:
-        tensors = tensors_in(output) or []
-        outputs.append(sum(t.numel() * t.element_size() for t in tensors if t.requires_grad))
-
-    return record
 
 
 @dataclass(frozen=True)
