@@ -74,6 +74,7 @@ class Timeline:
     def extrapolate(self, following: "Timeline", micro_batch: int) -> "Timeline":
         """``micro_batch``'s timeline from this one and ``following``, traced at the next micro-batch and aligned."""
         assert self.micro_batch and following.micro_batch == self.micro_batch + 1
+
         def at(a: int, b: int) -> int:
             return a + (b - a) * (micro_batch - self.micro_batch)
 
