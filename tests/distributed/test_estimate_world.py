@@ -1,6 +1,6 @@
 """The estimator against ``zero.profile`` on the same configuration, rank 0 of worlds of 1, 2 and 3 in torch's
 fake process group (``estimate_world``), with the breakdown by category at the peak for the GPT: the project's GPT, Hugging Face GPT-2 and Llama with the loss inside
-``forward``, and a CNN with batch norm, at stages 0-3 and two micro-batches; the GPT also with activation
+``forward`` (GPT-2 also with its first block frozen), and a CNN with batch norm, at stages 0-3 and two micro-batches; the GPT also with activation
 checkpointing and under both mixed-precision policies. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two
 sequence lengths (``estimate_scale``).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.estimate_world import MICRO_BATCHES, MODELS, STAGES, VARIANTS
+from tests.distributed.estimate_world import MICRO_BATCHES, MODELS, PARTIAL, STAGES, VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,8 @@ def _world(worlds: dict[int, dict], world_size: int) -> dict:
 )
 def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, world_size):
     runs = _world(worlds, world_size)
-    expected = {f"{name}/{stage}/{micro}/fp32" for name in MODELS for stage in STAGES for micro in MICRO_BATCHES}
+    expected = {f"{name}/{stage}/{micro}/fp32" for name in MODELS for stage in STAGES for micro in MICRO_BATCHES
+                if name not in PARTIAL or micro == MICRO_BATCHES[0]}
     expected |= {f"gpt/{stage}/{MICRO_BATCHES[0]}/{precision}{'/checkpointing' if checkpointing else ''}"
                  for stage in STAGES for precision, checkpointing in VARIANTS}
     assert set(runs) == expected | {f"every-op/gpt/{stage}" for stage in STAGES}
