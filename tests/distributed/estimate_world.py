@@ -82,13 +82,18 @@ MODELS = {
 
 PARTIAL = ("hf-gpt2-frozen",)  # at the first micro-batch only
 
-# (precision, checkpointing) variants priced on the project's GPT, besides fp32 without checkpointing
-VARIANTS = (("mixed-fp32-reduce", False), ("mixed", False), ("fp32", True))
+# variants priced on the project's GPT at the first micro-batch, besides fp32 (estimate()'s keyword arguments):
+# both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync()
+VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkpointing": True}, {"no_sync": True})
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"}, "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
 
-def measure(build, loss_fn, batch, stage: int, precision: str = "fp32", checkpointing: bool = False,
-            every_op: bool = False) -> dict:
+def key(name: str, stage: int, micro: int, variant: dict) -> str:
+    return f"{name}/{stage}/{micro}" + "".join(f"/{k}={v}" for k, v in variant.items())
+
+
+def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", checkpointing: bool = False,
+            no_sync: bool = False, every_op: bool = False) -> dict:
     gc.collect()
     torch.manual_seed(0)
     model = build()
@@ -97,6 +102,9 @@ def measure(build, loss_fn, batch, stage: int, precision: str = "fp32", checkpoi
                              precision=POLICIES[precision], **extra)
     with zero.profile(model, opt, every_op=every_op) as prof:
         for _ in range(2):
+            if no_sync:  # a micro-batch accumulated locally first, as the Trainer does
+                with opt.no_sync():
+                    loss_fn(model, *batch).backward()
             loss_fn(model, *batch).backward()
             opt.step()
             opt.zero_grad()
@@ -116,23 +124,22 @@ def main(world_size: int, only: str = "") -> None:
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     out = {}
-    runs = [(name, micro, "fp32", False) for name in MODELS for micro in MICRO_BATCHES if name not in PARTIAL]
-    runs += [(name, MICRO_BATCHES[0], "fp32", False) for name in PARTIAL]
-    runs += [("gpt", MICRO_BATCHES[0], precision, checkpointing) for precision, checkpointing in VARIANTS]
+    runs = [(name, micro, {}) for name in MODELS for micro in MICRO_BATCHES if name not in PARTIAL]
+    runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL]
+    runs += [("gpt", MICRO_BATCHES[0], variant) for variant in VARIANTS]
     workloads = {name: Workload(*MODELS[name]) for name in MODELS}
-    for name, micro, precision, checkpointing in runs:
-        if only not in f"{name}/{precision}":  # (a filter, to look at one case)
+    for name, micro, variant in runs:
+        if only not in key(name, 0, micro, variant):  # (a filter, to look at one case)
             continue
         build, loss_fn, make_batch = MODELS[name]
         torch.manual_seed(micro)
         batch = make_batch(micro)
         for stage in STAGES:
-            run = measure(build, loss_fn, batch, stage, precision, checkpointing)
-            e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
-                         checkpointing=checkpointing)
+            run = measure(build, loss_fn, batch, stage, **variant)
+            e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, **variant)
             run.update(estimated=e.peak, estimated_categories={k: v for k, v in e.categories.items() if v},
                        estimated_where=f"{e.phase} {e.module} {e.event}")
-            out[f"{name}/{stage}/{micro}/{precision}{'/checkpointing' if checkpointing else ''}"] = run
+            out[key(name, stage, micro, variant)] = run
     # sampled after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)
     for stage in STAGES if not only else ():
         build, loss_fn, make_batch = MODELS["gpt"]

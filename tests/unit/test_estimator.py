@@ -155,6 +155,24 @@ def test_estimates_move_the_right_way():
     assert small.event == "gradient reduction" and small.communication == 4 * numel
 
 
+def test_accumulation_under_no_sync_keeps_whole_gradients_at_stages_2_and_3(capsys):
+    workload = _gpt_workload()
+    numel = sum(p.numel() for p in workload.model().parameters())
+    for stage in (2, 3):
+        plain = estimate(workload, stage=stage, world_size=4, micro_batch=16)  # peaks as backward starts
+        accumulated = estimate(workload, stage=stage, world_size=4, micro_batch=16, no_sync=True)
+        assert accumulated.gradients >= 4 * numel > plain.gradients  # whole, as at stage 1
+        assert accumulated.peak > plain.peak
+    assert estimate(workload, stage=1, world_size=4, micro_batch=2, no_sync=True).peak == estimate(
+        workload, stage=1, world_size=4, micro_batch=2).peak  # stages 0-1 keep whole gradients anyway
+    small = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2", "--heads", "2"]
+    args = ["estimate", "--gpu-memory", "64MiB", "--world-size", "4", "--micro-batch", "2", "--show", "100", *small]
+    assert cli_main(args) == 0
+    plain = capsys.readouterr().out
+    assert cli_main([*args, "--no-sync-accumulation"]) == 0
+    assert capsys.readouterr().out != plain
+
+
 def test_planner_says_why_nothing_fits():
     workload = _gpt_workload()
     result = plan(workload, gpu_memory=1024, world_size=2, micro_batches=[1])

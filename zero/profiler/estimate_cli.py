@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf-config", metavar="PATH",
                         help="plan for a Hugging Face causal LM built from this config.json (or a directory "
                         "holding one), trained on its own loss; replaces the GPT options but --seq-len")
+    parser.add_argument("--no-sync-accumulation", action="store_true",
+                        help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
+                        "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
     parser.add_argument("--show", type=positive_int, default=8,
                         help="how many fitting and how many rejected configurations to list (default 8)")
     parser.add_argument("--json", type=str, default=None, metavar="FILE",
@@ -113,7 +116,7 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     print(f"  {numel / 1e9:.3f}B trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
-                  precision=args.precision, progress=progress)
+                  precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress)
     budget = 0.9 * args.gpu_memory
     print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
           f"budget {budget / GiB:.2f} GiB (90% of {args.gpu_memory / GiB:.2f} GiB)")

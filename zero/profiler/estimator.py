@@ -237,6 +237,7 @@ def estimate(
     bucket_size_mb: float = 25,
     max_in_flight_buckets: int = 2,
     prefetch_units: int = 1,
+    no_sync: bool = False,
 ) -> Estimate:
     """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
@@ -244,7 +245,9 @@ def estimate(
 
     ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList`` (``ZeroConfig(activation_checkpointing={})``),
     or a policy as ``ZeroConfig.activation_checkpointing`` takes it (a dict or :class:`zero.ActivationCheckpointing`);
-    ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``).
+    ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``); ``no_sync``: gradient
+    accumulation with earlier micro-batches under ``opt.no_sync()`` (the Trainer's and Accelerate's way), which
+    keeps the gradients whole until the last micro-batch's backward reduces them (at stages 2-3 too).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
@@ -258,7 +261,7 @@ def estimate(
         workload.timeline(micro_batch, precision, checkpointing),
         layout,
         workload.step(layout, precision),
-        Options(offload, max_in_flight_buckets, prefetch_units),
+        Options(offload, max_in_flight_buckets, prefetch_units, no_sync),
     )
     return Estimate(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
@@ -281,6 +284,7 @@ def plan(
     micro_batches: list[int],
     precision: str = "fp32",
     headroom: float = 0.9,
+    no_sync: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
@@ -288,7 +292,8 @@ def plan(
 
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload (host transfers), lower stage
-    (stage 3 moves 1.5x the data). ``progress`` is told about each trace as it starts."""
+    (stage 3 moves 1.5x the data). ``no_sync``: see :func:`estimate`. ``progress`` is told about each trace as it
+    starts."""
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
     budget = headroom * gpu_memory
@@ -301,7 +306,7 @@ def plan(
                 for stage in STAGES[1:] if offload else STAGES:  # offload needs stage 1-3 (zero.offload)
                     e = estimate(
                         workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
-                        offload=offload, checkpointing=checkpointing,
+                        offload=offload, checkpointing=checkpointing, no_sync=no_sync,
                     )
                     if e.peak <= budget:
                         fits.append(e)

@@ -73,6 +73,7 @@ class Options:
     offload: bool = False
     max_in_flight: int = 2
     prefetch: int = 1
+    no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
 
 
 @dataclass
@@ -255,11 +256,18 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
             best = Peak({c: float(cats.get(c, 0)) for c in CATEGORIES}, point.phase, point.module,
                         event or _describe(point), host)
 
+    accumulated = sum(timeline.grad_bytes.values())  # under no_sync(): whole in p.grad when this pass starts
+
     def grads_now(point: Point) -> float:
-        if reduction is None:  # persistent buckets; a fresh gradient lives while it is added in
-            fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0
+        fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0  # while it is added in
+        if reduction is None:  # persistent buckets
             return layout.grad_buffer + fresh
-        local = point.gradients - reduction.released if layout.stage >= 2 else layout.grad_buffer
+        if layout.stage < 2:
+            local = layout.grad_buffer
+        elif options.no_sync:
+            local = accumulated - reduction.released + fresh
+        else:
+            local = point.gradients - reduction.released
         return local + reduction.shards
 
     previous = None
