@@ -242,19 +242,18 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     gathering = _gathering(timeline, layout, options) if layout.stage == 3 else None
     best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", host)
 
-    def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
+    def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
         nonlocal best
-        cats = dict(base)
-        cats["parameters"] += gathering.bytes if gathering is not None else 0
-        cats["activations"] = point.activations
-        cats["temporaries"] = point.temporaries
-        cats["gradients"] = gradients
-        cats["communication"] = (reduction.staging if reduction is not None else 0) + (
+        if sum(categories.values()) > best.total:
+            best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, host)
+
+    def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
+        communication = (reduction.staging if reduction is not None else 0) + (
             gathering.in_flight if gathering is not None else 0)
-        total = sum(cats.values())
-        if total > best.total:
-            best = Peak({c: float(cats.get(c, 0)) for c in CATEGORIES}, point.phase, point.module,
-                        event or _describe(point), host)
+        parameters = base["parameters"] + (gathering.bytes if gathering is not None else 0)
+        offer(dict(base, parameters=parameters, activations=point.activations, temporaries=point.temporaries,
+                   gradients=gradients, communication=communication),
+              point.phase, point.module, event or _describe(point))
 
     accumulated = sum(timeline.grad_bytes.values())  # under no_sync(): whole in p.grad when this pass starts
 
@@ -293,9 +292,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     master_grads = 0 if options.offload else sum(b.master_grad for b in buckets)
     on_device = 0.0 if options.offload else 1.0  # an offloaded step runs on the host
     for temporaries, gradients in ((step.adopt, grads), (step.update, grads + master_grads)):
-        cats = dict(base, activations=0, communication=0, gradients=gradients, temporaries=temporaries * on_device)
-        if sum(cats.values()) > best.total:
-            best = Peak({c: float(cats.get(c, 0)) for c in CATEGORIES}, "step", "<optimizer>", "optimizer step", host)
+        offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
+              "optimizer step")
     return best
 
 

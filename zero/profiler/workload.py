@@ -128,9 +128,11 @@ class Workload:
                         p.grad = None
 
     def _fake(self, t: Any, policy: MixedPrecision) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
         if not isinstance(t, torch.Tensor):
             return t
-        if not isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        if not isinstance(t, FakeTensor):
             t = self.mode.from_tensor(t)
         if policy.enabled and t.is_floating_point():  # ZeroOptimizer casts the root forward's float inputs
             t = t.to(DTYPES[policy.param_dtype])
