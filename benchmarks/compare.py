@@ -224,16 +224,22 @@ def in_use() -> int:
 
 
 class EveryOp(TorchDispatchMode):
-    """Calls ``sample()`` after every operator (also the collectives, which dispatch as ``c10d`` operators)."""
+    """Calls ``sample(func)`` after every operator (also the collectives, which dispatch as ``c10d`` operators)."""
 
-    def __init__(self, sample: Callable[[], None]):
+    def __init__(self, sample: Callable[[object], None]):
         super().__init__()
         self.sample = sample
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.sample()
+        self.sample(func)
         return out
+
+
+def parse_zero(name: str) -> tuple[int, dict[str, int]]:
+    """``zero-3`` or ``zero-3/prefetch_units=0/...`` (ZeroConfig integer overrides): the stage and the overrides."""
+    stage, *overrides = name.removeprefix("zero-").split("/")
+    return int(stage), {k: int(v) for k, v in (o.split("=") for o in overrides)}
 
 
 def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, warmup: int, real: bool) -> None:
@@ -271,7 +277,7 @@ def memory(spec: Spec, base: GPT, cfg, batch: int) -> dict:
     c = spec.build(base)
     peak = [0]
 
-    def sample() -> None:
+    def sample(_func: object = None) -> None:
         peak[0] = max(peak[0], in_use())
 
     for step in range(2):

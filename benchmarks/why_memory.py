@@ -28,13 +28,12 @@ import gc
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
 from zero import ZeroOptimizer
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 
-from compare import Contender, _zero, in_use, specs
+from compare import Contender, EveryOp, _zero, in_use, parse_zero, specs
 
 MiB = 2**20
 
@@ -42,8 +41,8 @@ MiB = 2**20
 def build(name: str, base: GPT) -> Contender:
     """One of compare.py's contenders, or ``zero-N/key=value/...`` (ZeroConfig integer overrides)."""
     if "/" in name:
-        stage, *overrides = name[5:].split("/")
-        return _zero(int(stage), **{k: int(v) for k, v in (o.split("=") for o in overrides)})(base)
+        stage, config = parse_zero(name)
+        return _zero(stage, **config)(base)
     return next(s for s in specs() if s.name == name).build(base)
 
 
@@ -59,23 +58,6 @@ def gathered(c: Contender) -> list[str]:
     return out
 
 
-class PeakFinder(TorchDispatchMode):
-    """The allocator's in-use bytes after every operator; at the highest, what runs and what is gathered."""
-
-    def __init__(self, contender: Contender, baseline: int):
-        super().__init__()
-        self.contender, self.baseline = contender, baseline
-        self.peak, self.where, self.gathered = 0, "", []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        now = in_use() - self.baseline
-        if now > self.peak:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward or step"
-            self.peak, self.where, self.gathered = now, f"{phase}, {func.__name__}", gathered(self.contender)
-        return out
-
-
 def train(c: Contender, cfg, args, steps: range) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
@@ -88,13 +70,20 @@ def where_is_the_peak(name: str, base: GPT, cfg, args) -> tuple[float, str]:
     baseline = in_use()
     c = build(name, base)
     train(c, cfg, args, range(args.steps - 1))
-    finder = PeakFinder(c, baseline)
-    with finder:
+    found = {"peak": 0, "where": "", "gathered": []}
+
+    def sample(func) -> None:  # at the highest reading: what runs and what is gathered
+        now = in_use() - baseline
+        if now > found["peak"]:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward or step"
+            found.update(peak=now, where=f"{phase}, {func.__name__}", gathered=gathered(c))
+
+    with EveryOp(sample):
         train(c, cfg, args, range(args.steps - 1, args.steps))
-    peak = torch.tensor([finder.peak], dtype=torch.float64)
+    peak = torch.tensor([found["peak"]], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item(), (f"allocator peak {finder.peak / MiB:.1f} MiB (max over ranks {peak.item() / MiB:.1f}) at "
-                         f"{finder.where}; gathered: {', '.join(finder.gathered) or 'none'}")
+    return peak.item(), (f"allocator peak {found['peak'] / MiB:.1f} MiB (max over ranks {peak.item() / MiB:.1f}) at "
+                         f"{found['where']}; gathered: {', '.join(found['gathered']) or 'none'}")
 
 
 def categories(name: str, base: GPT, cfg, args) -> str:

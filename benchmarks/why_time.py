@@ -7,10 +7,10 @@ falls on every one alike. Per step and rank it times
 
 * ``forward`` (to the loss), ``backward`` (``loss.backward()``, which ends when every gradient is reduced),
   ``step`` and ``zero_grad``;
-* inside them, the time spent waiting on collectives: ``zero``'s handles, by kind (``reduce-scatter`` and
-  ``all-reduce`` in backward, ``all-gather`` of the updated parameters in step), and the
-  ``ZeroRedundancyOptimizer``'s broadcast of the updated parameters (its ``_sync_params``). DDP waits for its
-  all-reduces inside autograd's engine, out of sight: its wait shows only as real minus fake backward.
+* inside them, the time ``zero`` spent waiting on its collectives, by kind (``CommStats``' ``wait_s``:
+  ``reduce_scatter`` and ``all_reduce`` in backward, ``all_gather`` of the updated parameters in step). DDP and
+  ``ZeroRedundancyOptimizer`` wait inside autograd's engine and their own step, out of sight: their waits
+  show only as real minus fake.
 
 Prints, per contender, the median over steps of the mean over ranks of each phase (ms), real and fake, and
 the step (barrier to barrier, max over ranks) as the median of its ratio to DDP's step of the same round.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -34,36 +33,21 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from zero import ZeroOptimizer, comm
+from zero import ZeroOptimizer
 from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+
+from compare import parse_zero
 
 LR, WD = 3e-4, 0.1
 PHASES = ("forward", "backward", "step", "zero_grad")
-_waits: dict[str, float] = defaultdict(float)  # ms waited per collective kind since the last reset
-_phase = ["idle"]
-
-
-def _timed_wait(wait):
-    def timed(handle):
-        start = time.perf_counter()
-        try:
-            return wait(handle)
-        finally:
-            _waits[f"{_phase[0]}: {handle.what.split(' of ')[0]} wait"] += (time.perf_counter() - start) * 1e3
-
-    return timed
-
-
-comm.Handle.wait = _timed_wait(comm.Handle.wait)
 
 
 def build(name: str, base: GPT, group) -> tuple[torch.nn.Module, object]:
     model = copy.deepcopy(base)
-    if name.startswith("zero-"):  # zero-3, or with ZeroConfig integer overrides: zero-3/prefetch_units=0
-        stage, *overrides = name[5:].split("/")
-        config = {k: int(v) for k, v in (o.split("=") for o in overrides)}
+    if name.startswith("zero-"):
+        stage, config = parse_zero(name)
         inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-        return model, ZeroOptimizer(inner, model, stage=int(stage), process_group=group, **config)
+        return model, ZeroOptimizer(inner, model, stage=stage, process_group=group, **config)
     ddp = DistributedDataParallel(model, process_group=group)
     if dist.get_backend(group) == "fake":  # the fake all-reduce returns nothing, which DDP refuses
 
@@ -77,40 +61,36 @@ def build(name: str, base: GPT, group) -> tuple[torch.nn.Module, object]:
         return ddp, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, weight_decay=WD,
                                   process_group=group)
-    sync = opt._sync_params
-
-    def timed_sync():
-        start = time.perf_counter()
-        sync()
-        _waits["step: broadcast wait"] += (time.perf_counter() - start) * 1e3
-
-    opt._sync_params = timed_sync
     return ddp, opt
 
 
 def one_step(model, opt, x, y) -> dict[str, float]:
-    _waits.clear()
-    times, start = {}, time.perf_counter()
+    """Each phase's milliseconds and, for ``zero``, what it waited for its collectives in forward, backward and step
+    (``CommStats``' ``wait_s``; a step's entries move from ``current`` to ``last_step`` as ``step()`` ends)."""
+    stats = opt.comm.stats if isinstance(opt, ZeroOptimizer) else None
+    times, waited, start = {}, {}, time.perf_counter()
 
-    def lap(phase: str) -> None:
+    def lap(phase: str, entries=None) -> None:
         nonlocal start
         now = time.perf_counter()
         times[phase], start = (now - start) * 1e3, now
+        if stats is not None and entries is not None:  # totals so far this step, by kind
+            waited[phase] = {kind: entry.wait_s * 1e3 for kind, entry in entries.items()}
 
-    _phase[0] = "forward"
     loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    lap("forward")
-    _phase[0] = "backward"
+    lap("forward", stats and stats.current)
     loss.backward()
-    lap("backward")
-    _phase[0] = "step"
+    lap("backward", stats and stats.current)
     opt.step()
-    lap("step")
-    _phase[0] = "zero_grad"
+    lap("step", stats and stats.last_step)
     opt.zero_grad()
     lap("zero_grad")
-    _phase[0] = "idle"
-    return {**times, **_waits}
+    waits, before = {}, {}
+    for phase, totals in waited.items():  # each phase's share of the running totals
+        for kind, ms in totals.items():
+            waits[f"{phase}: {kind} wait"] = ms - before.get(kind, 0.0)
+        before = totals
+    return {**times, **waits}
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import ctypes
 import datetime
 import json
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
@@ -52,26 +53,29 @@ class KindStats:
     calls: int = 0
     numel: int = 0
     bytes: int = 0
+    wait_s: float = 0.0  # seconds this rank spent in the handles' wait(): the part not hidden behind other work
 
 
 @dataclass
 class CommStats:
-    """Payload counters per collective kind: ``current`` (this step) and ``last_step``."""
+    """Payload counters and time waited per collective kind: ``current`` (this step) and ``last_step``."""
 
     current: dict[str, KindStats] = field(default_factory=lambda: defaultdict(KindStats))
     last_step: dict[str, KindStats] = field(default_factory=dict)
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
+    def record(self, kind: str, tensor: torch.Tensor) -> KindStats:
+        """Count one collective; its handle adds the time waited for it to the returned entry."""
         entry = self.current[kind]
         entry.calls += 1
         entry.numel += tensor.numel()
         entry.bytes += tensor.numel() * tensor.element_size()
+        return entry
 
     def end_step(self) -> None:
         self.last_step = dict(self.current)
         self.current = defaultdict(KindStats)
 
-    def as_dict(self, which: str = "last_step") -> dict[str, dict[str, int]]:
+    def as_dict(self, which: str = "last_step") -> dict[str, dict[str, float]]:
         stats = self.last_step if which == "last_step" else self.current
         return {kind: vars(entry).copy() for kind, entry in sorted(stats.items())}
 
@@ -93,23 +97,33 @@ class _Works:
 class Handle:
     """An in-flight collective; ``wait()`` raises a descriptive error on timeout.
 
-    ``on_failure`` runs before that error is raised (the communicator aborts its group).
+    ``on_failure`` runs before that error is raised (the communicator aborts its group); the seconds spent
+    waiting are added to ``stats`` (the collective's entry in ``CommStats``).
     """
 
     def __init__(
-        self, work: Any, what: str, timeout: datetime.timedelta, on_failure: Callable[[], None] | None = None
+        self,
+        work: Any,
+        what: str,
+        timeout: datetime.timedelta,
+        on_failure: Callable[[], None] | None = None,
+        stats: KindStats | None = None,
     ):
         self._work = work
         self.what = what
         self._timeout = timeout
         self._on_failure = on_failure
+        self._stats = stats
 
     def wait(self) -> None:
         if self._work is None:
             return
         work, self._work = self._work, None
+        start = time.perf_counter()
         try:
             work.wait(timeout=self._timeout)
+            if self._stats is not None:
+                self._stats.wait_s += time.perf_counter() - start
         except RuntimeError as err:
             if self._on_failure is not None:
                 self._on_failure()
@@ -205,8 +219,8 @@ class Communicator:
         """True when collectives are local no-ops: no group, or a world of one not forced to send."""
         return self.group is None or (self.world_size == 1 and not self.force_collectives)
 
-    def _handle(self, work: Any, what: str) -> Handle:
-        return Handle(work, what, self.timeout, self._abort if work is not None else None)
+    def _handle(self, work: Any, what: str, stats: KindStats | None = None) -> Handle:
+        return Handle(work, what, self.timeout, self._abort if work is not None else None, stats)
 
     def _abort(self) -> None:
         self.aborted = True
@@ -233,9 +247,9 @@ class Communicator:
         self._check(what, tensor)
         if self.skips_collectives:
             return self._handle(None, what)
-        self.stats.record("all_reduce", tensor)
+        stats = self.stats.record("all_reduce", tensor)
         work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
-        return self._handle(work, what)
+        return self._handle(work, what, stats)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "reduce-scatter") -> Handle:
         """Sum ``input`` (1D, ``world_size * len(output)``) over ranks; keep this rank's chunk.
@@ -249,13 +263,13 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
-        self.stats.record("reduce_scatter", input)
+        stats = self.stats.record("reduce_scatter", input)
         if self.backend == "gloo":  # see the module's Note
             chunk = input.narrow(0, self.rank * output.numel(), output.numel())
             then = None if chunk.data_ptr() == output.data_ptr() else partial(output.copy_, chunk)
-            return self._handle(_Works([dist.all_reduce(input, group=self.group, async_op=True)], then), what)
+            return self._handle(_Works([dist.all_reduce(input, group=self.group, async_op=True)], then), what, stats)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return self._handle(fn(output, input, group=self.group, async_op=True), what)
+        return self._handle(fn(output, input, group=self.group, async_op=True), what, stats)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather") -> Handle:
         """Concatenate every rank's ``input`` into ``output`` (1D); ``input`` may alias its chunk of ``output``."""
@@ -265,7 +279,7 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
-        self.stats.record("all_gather", output)
+        stats = self.stats.record("all_gather", output)
         if self.backend == "gloo":  # see the module's Note
             n = input.numel()
             mine = output.narrow(0, self.rank * n, n)
@@ -275,17 +289,17 @@ class Communicator:
             return self._handle(_Works([
                 dist.broadcast(chunk, dist.get_global_rank(self.group, r), group=self.group, async_op=True)
                 for r, chunk in enumerate(chunks)
-            ]), what)
-        return self._handle(_all_gather_into_tensor(output, input, group=self.group, async_op=True), what)
+            ]), what, stats)
+        return self._handle(_all_gather_into_tensor(output, input, group=self.group, async_op=True), what, stats)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str = "broadcast") -> Handle:
         """Overwrite ``tensor`` with group rank ``src``'s copy."""
         self._check(what, tensor)
         if self.skips_collectives:
             return self._handle(None, what)
-        self.stats.record("broadcast", tensor)
+        stats = self.stats.record("broadcast", tensor)
         global_src = dist.get_global_rank(self.group, src)
-        return self._handle(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), what)
+        return self._handle(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), what, stats)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors)."""

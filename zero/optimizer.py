@@ -187,10 +187,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._inner
 
     @property
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Payload counters of the last completed step, per collective kind.
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Payload counters of the last completed step, per collective kind, and the seconds this rank waited for
+        them (what overlap did not hide).
 
-        ``{"reduce_scatter": {"calls": .., "numel": .., "bytes": ..}, "all_gather": {...}, ...}``;
+        ``{"reduce_scatter": {"calls": .., "numel": .., "bytes": .., "wait_s": ..}, "all_gather": {...}, ...}``;
         a step's traffic runs from the end of the previous ``step()`` to the end of this one.
         """
         return self.comm.stats.as_dict("last_step")

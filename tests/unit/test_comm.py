@@ -119,6 +119,9 @@ def test_forced_collectives_really_run_in_a_world_of_one():
     for got, want in zip(results["tensors"], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert results["objects"] == [{"rank": 0}]
+    waited = {kind: entry.pop("wait_s") for kind, entry in results["stats"].items()}  # each handle was waited for
+    assert set(waited) == {"all_gather", "all_reduce", "broadcast", "reduce_scatter"}
+    assert all(isinstance(s, float) and 0 < s < 60 for s in waited.values()), waited
     assert results["stats"] == {
         "all_gather": {"calls": 2, "numel": 6, "bytes": 24},
         "all_reduce": {"calls": 2, "numel": 6, "bytes": 24},
