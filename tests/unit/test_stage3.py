@@ -321,3 +321,67 @@ def test_unit_outputs_in_dataclasses_or_opaque_objects(block):
     ref = _train(build, run, stage3=False)
     ours = _train(build, run, stage3=True)
     assert ours[0] == ref[0] and torch.equal(ours[1], ref[1])
+
+
+class AdaptedBlock(nn.Module):
+    """A frozen linear layer and a trainable low-rank adapter beside it (LoRA's shape)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down = nn.Linear(width, 2, bias=False)
+        self.up = nn.Linear(2, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+class Adapted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AdaptedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_unit_is_released_after_its_input_gradients_not_its_last_parameter_gradient():
+    """The frozen weight carries the gradient back to earlier adapters after the unit's own adapter
+    gradients arrived: releasing the unit at its last parameter gradient trained NaN (issue 23)."""
+    x = torch.linspace(-1, 1, 32).view(4, 8)
+    build = lambda: Adapted()  # noqa: E731
+    torch.manual_seed(0)
+    reference = Adapted()
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(0)
+    model = build()
+    opt = ZeroOptimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), model, stage=3)
+    for _ in range(6):
+        for m, o in ((reference, ref_opt), (model, opt)):
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_parameters():
+        for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+            assert torch.equal(ours, theirs), name
+
+
+def test_backward_reading_a_released_unit_raises_instead_of_reading_stale_memory():
+    torch.manual_seed(0)
+    model = Adapted()
+    opt = ZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), model, stage=3)
+    unit = next(u for u in opt._gatherer.units if u.name == "blocks.1")
+
+    def release_early(grad: torch.Tensor) -> None:  # as a bug in the release schedule would
+        opt._gatherer.reshard(unit)
+
+    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(release_early)  # runs before backward reads base.weight for the input gradient
+
+    inner = model.blocks[1].base.register_forward_hook(hook_output)
+    loss = model(torch.linspace(-1, 1, 32).view(4, 8))
+    inner.remove()
+    with pytest.raises(RuntimeError, match=r"backward needs the parameters of unit 'blocks.1', which were released"):
+        loss.backward()

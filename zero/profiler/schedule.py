@@ -8,7 +8,8 @@ the optimizer itself would build (``zero.partition.build_partition`` on the fake
 * parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point,
   replayed as ``zero.stages.gatherer`` does it (gather before a unit's forward and when backward reaches
   it, prefetch the next unit in the previous pass's order, release a unit when the next one starts,
-  after its last gradient and at the end of backward, keep the root until the step);
+  when its backward is over (its inputs' gradients computed and its parameters' gradients arrived)
+  and at the end of backward, keep the root until the step);
 * gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
   is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
   at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
@@ -166,6 +167,7 @@ class _Gathering:
     prefetched: set[str] = field(default_factory=set)  # gathering, not yet waited for (the tracker's "communication")
     finished: str | None = None
     got: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)  # forward calls whose inputs' gradients are not computed
     in_backward: set[str] = field(default_factory=set)
 
     @property
@@ -207,15 +209,24 @@ class _Gathering:
             self.in_backward.add(name)
             self._use(name)
             self._prefetch(self.backward_order, name)
+        elif point.kind == "hooked" and name in self.unit_bytes:
+            self.pending[name] = self.pending.get(name, 0) + 1
+        elif point.kind == "done" and name in self.unit_bytes:
+            self.pending[name] = max(0, self.pending.get(name, 0) - 1)
+            self._release_if_done(name)
         elif point.kind == "grad":
             unit = self.unit_of.get(name)
             if unit is None:  # (not a managed parameter)
                 return
             self.got[unit] = self.got.get(unit, 0) + 1
-            if self.got[unit] == len(self.unit_params[unit]) and unit in self.in_backward:
-                if unit:
-                    self.gathered.discard(unit)
-                self.in_backward.discard(unit)
+            self._release_if_done(unit)
+
+    def _release_if_done(self, unit: str) -> None:
+        done = self.pending.get(unit, 0) == 0 and self.got.get(unit, 0) >= len(self.unit_params[unit])
+        if done and unit in self.in_backward:
+            if unit:
+                self.gathered.discard(unit)
+            self.in_backward.discard(unit)
 
     def end_backward(self) -> None:
         self.gathered &= {""}

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zero.outputs import tensors_in
+from zero.stages.post_backward import hook_input_gradients
 
 KINDS = ("activations", "temporaries", "gradients")
 
@@ -44,7 +45,8 @@ class Point:
     """Live bytes of the traced step right after something happened."""
 
     phase: str  # "forward" or "backward"
-    kind: str  # "op", "enter" / "leave" (a module's forward), "reach" (backward reaches a module), "grad"
+    kind: str  # "op", "enter" / "leave" (a module's forward), "hooked" (its inputs need gradients), "reach"
+    # (backward reaches a module), "done" (backward computed its inputs' gradients), "grad"
     name: str  # the operator, the module or the parameter
     module: str  # the innermost module running (forward) or last reached (backward)
     activations: int
@@ -165,7 +167,7 @@ class Recorder(TorchDispatchMode):
     def hooks(self) -> list[Any]:
         handles = []
         for name, module in self.model.named_modules():
-            handles.append(module.register_forward_pre_hook(self._enter(name)))
+            handles.append(module.register_forward_pre_hook(self._enter(name), with_kwargs=True))
             handles.append(module.register_forward_hook(self._leave(name), always_call=True))
         for p in self.model.parameters():
             if p.requires_grad:
@@ -173,9 +175,15 @@ class Recorder(TorchDispatchMode):
         return handles
 
     def _enter(self, name: str) -> Callable:
-        def enter(module: nn.Module, args: Any) -> None:
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             self.stack.append(name)
             self.point("enter", name)
+            if torch._C._current_graph_task_id() != -1:  # recomputed in backward: stage 3 hooks nothing
+                return None
+            hooked = hook_input_gradients(args, kwargs, lambda: self.point("done", name))
+            if hooked is not None:
+                self.point("hooked", name)
+            return hooked
 
         return enter
 

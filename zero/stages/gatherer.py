@@ -7,8 +7,16 @@ Life of one unit in a training step (``reshard_after_forward=True``)::
     forward hook       mark for release (the root unit excepted); hook the outputs so that the
                        first gradient reaching them ...
     pre-backward       ... unshards the unit again (and prefetches the next one in backward order)
-    last param grad    reshard (its gradients go on to the reducer as at stage 2)
+    backward done      reshard, once both its inputs' gradients are computed (every forward call's)
+                       and its trainable parameters' gradients have arrived (they go on to the
+                       reducer as at stage 2)
     end of backward    reshard whatever is still gathered (units with unused parameters)
+
+The unit's backward is over only when autograd has computed the gradient of its forward inputs
+(see ``zero.stages.post_backward``): frozen weights are read until then, e.g. a frozen base under
+LoRA adapters, whose last adapter gradient arrives before the frozen weight carries the gradient
+back to the adapters of earlier units. A forward whose inputs need no gradient (the first unit)
+ends its backward with its last parameter gradient: nothing it holds is read after that.
 
 Releasing a unit after its forward waits until the next unit starts (the working set while a
 unit computes is the same), so the unit that runs last in forward, which backward needs
@@ -23,8 +31,9 @@ on mismatched parameters. Sooner than that, each rank compares every forward's u
 first forward's (locally, for free): the rank whose order changes warns at once, naming the
 unit, and a gather that then fails or times out repeats it in its error.
 
-A unit whose parameters are all frozen (a frozen base model's block) has no gradient to tell when
-its backward is done, so it stays gathered until the end of the backward pass.
+A parameter of a released unit can never be read by accident: backward's saved references to
+its parameters are checked when autograd unpacks them (``zero.stages.saved_params``), and any
+other use is refused by ``ZeroParameter``.
 
 Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward,
 and every unit when the root's forward ends. During backward a unit's forward may run again
@@ -49,6 +58,8 @@ from torch import nn
 from zero.bucket import Bucket
 from zero.comm import Communicator, Handle
 from zero.stages.backward_pass import BackwardPass
+from zero.stages.post_backward import hook_input_gradients
+from zero.stages.saved_params import SavedParamCheck
 from zero.stages.stage3 import Stage3
 from zero.outputs import tensors_in
 from zero.units import UnitSpec
@@ -74,14 +85,18 @@ class Unit:
         self.num_params = sum(len(b.slots) for b in buckets if b.trainable)  # those that get gradients
         self.state = UnitState.SHARDED
         self.handles: list[Handle] = []
-        self.in_backward = False  # between its pre-backward and its last gradient
+        self.in_backward = False  # between its pre-backward and the end of its backward
         self.num_grads = 0  # parameters whose gradient arrived in this backward pass
+        self.pending_inputs = 0  # forward calls whose inputs' gradients backward has not computed yet
         # The root unit's backward starts as soon as its forward ends, so it is never released in
         # between (FSDP2 does the same): regathering it at once would only cost traffic.
         self.is_root = spec.name == ""
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
+
+    def is_gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
 
 
 class ParamGatherer:
@@ -113,14 +128,18 @@ class ParamGatherer:
         self._previous_backward: list[Unit] = []
         self._pass = BackwardPass()
         self._fingerprint = 0
+        self._saved_check = SavedParamCheck(weak_hook(self._units_of_storage))
+        self._checking: list[bool] = []  # per unit forward running: whether it installed the saved-tensor check
         self._hooks = []
         for unit in self.units:
             # Under torch.compile the hooks run eagerly (a graph break each): they gather, release and
             # prefetch, which dynamo cannot trace; the unit's forward between them compiles as usual.
             pre = torch.compiler.disable(weak_hook(self._pre_forward, unit.index))
             post = torch.compiler.disable(weak_hook(self._post_forward, unit.index))
-            self._hooks.append(unit.module.register_forward_pre_hook(pre))
+            self._hooks.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(post))
+            done = torch.compiler.disable(weak_hook(self._forward_done))
+            self._hooks.append(unit.module.register_forward_hook(done, always_call=True))
             for bucket in unit.buckets:
                 for slot in bucket.slots if bucket.trainable else []:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
@@ -171,6 +190,7 @@ class ParamGatherer:
                 self.reshard(unit)
             unit.in_backward = False
             unit.num_grads = 0
+            unit.pending_inputs = 0
 
     @property
     def in_forward(self) -> bool:
@@ -192,11 +212,15 @@ class ParamGatherer:
 
     # ----- forward ----------------------------------------------------------------------------------
 
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         unit = self.units[index]
+        checking = torch.is_grad_enabled() and not _in_backward()
+        self._checking.append(checking)  # (first: _forward_done pops it even if this hook fails)
+        if checking:
+            self._saved_check.enter()
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
             self.wait(unit)
-            return
+            return None
         if unit.is_root:
             self._depth = 0  # (a forward interrupted by an error never came back out)
         if self._depth == 0:  # a new forward pass starts
@@ -212,6 +236,10 @@ class ParamGatherer:
         self._check_order(len(self._forward_order) - 1, ended=False)
         self.wait(unit)
         self._prefetch(self._forward_order, self._previous_forward)
+        hooked = hook_input_gradients(args, kwargs, weak_hook(self._inputs_done, unit.index))
+        if hooked is not None:
+            unit.pending_inputs += 1
+        return hooked
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         unit = self.units[index]
@@ -236,6 +264,15 @@ class ParamGatherer:
         if self.reshard_after_forward and not unit.is_root:
             self._release_finished(keep=unit)
             self._finished = unit
+
+    def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After every unit forward, also one that raised: remove the saved-tensor check it installed."""
+        if self._checking and self._checking.pop():
+            self._saved_check.exit()
+
+    def _units_of_storage(self) -> dict[int, Unit]:
+        """The unit of each parameter buffer's storage (the saved-tensor check's lookup)."""
+        return {b.param_buffer.data.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
 
     def _release_finished(self, keep: Unit) -> None:
         finished, self._finished = self._finished, None
@@ -287,6 +324,12 @@ class ParamGatherer:
         self.wait(unit)
         self._prefetch(self._backward_order, self._previous_backward)
 
+    def _inputs_done(self, index: int) -> None:
+        """Autograd computed the gradients of one forward call's inputs: that call's backward is over."""
+        unit = self.units[index]
+        unit.pending_inputs = max(0, unit.pending_inputs - 1)  # (a retained graph's second pass comes again)
+        self._release_if_done(unit)
+
     def _on_grad(self, index: int, name: str, param: torch.Tensor) -> None:
         unit = self.units[index]
         if unit.state is not UnitState.GATHERED:
@@ -297,7 +340,12 @@ class ParamGatherer:
                 "(ZeroConfig.unit_classes) so that the code using them is inside the unit."
             )
         unit.num_grads += 1
-        if unit.num_grads == unit.num_params and unit.in_backward:
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: Unit) -> None:
+        """Release ``unit`` once its backward is over: every forward call's input gradients computed and
+        every trainable parameter's gradient arrived (units with unused parameters wait for the end)."""
+        if unit.in_backward and unit.pending_inputs == 0 and unit.num_grads >= unit.num_params:
             if not unit.is_root:  # (the root stays gathered until step(): see _end_backward)
                 self.reshard(unit)
             unit.in_backward = False
