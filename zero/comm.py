@@ -128,7 +128,7 @@ class Handle:
             if self._on_failure is not None:
                 self._on_failure()
             raise RuntimeError(
-                f"zero: {self.what} did not complete within {self._timeout.total_seconds():.0f}s ({err}). "
+                f"zero: {self.what} did not complete within {self._timeout.total_seconds():g}s ({err}). "
                 "A rank may have died, or ranks took different paths (a different number of backward "
                 "passes, steps or clip_grad_norm_ calls, or different models). Check every rank's log; "
                 "raise ZeroConfig.timeout_s if a step is simply slow. The process group was aborted so "

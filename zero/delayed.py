@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -44,19 +45,21 @@ class DelayedStep:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def launch(self, buckets: list[Bucket]) -> None:
-        """Start stepping the masters of ``buckets`` with the optimizer's gradients of this step."""
+    def launch(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> None:
+        """Start stepping the masters of ``buckets`` with the optimizer's gradients of this step (and the
+        keyword arguments given to ``step()``)."""
         assert self._pending is None, "finish() the previous step first"
         grads = [(b.master_grad.data if b.master_grad is not None else b.grad_shard).clone() for b in buckets]
         used = [[p for p in b.pieces if p.slot.used_anywhere] for b in buckets]  # as of now, not of the next pass
         frozen = copy.copy(self.optimizer)  # same state; groups copied with their hyperparameters of now
         frozen.param_groups = [dict(group) for group in self.optimizer.param_groups]
-        self._pending = self._executor.submit(self._run, frozen, buckets, grads, used)
+        self._pending = self._executor.submit(self._run, frozen, buckets, grads, used, dict(step_kwargs))
 
     @staticmethod
-    def _run(optimizer: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor], used: list) -> None:
+    def _run(optimizer: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor], used: list,
+             step_kwargs: dict[str, Any]) -> None:
         for bucket, grad, pieces in zip(buckets, grads, used):
-            BucketStepper.update_master(bucket, optimizer, grad, pieces)
+            BucketStepper.update_master(bucket, optimizer, grad, pieces, step_kwargs)
 
     def finish(self) -> bool:
         """Wait for the step in flight (its error, if any, is raised here); whether there was one."""

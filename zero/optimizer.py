@@ -221,10 +221,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the global gradient norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model.
 
         Computes the norm over every rank's shard (one small all-reduce), scales the
-        gradients by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm (same on every rank).
+        gradients by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm (same on every rank); with
+        no gradient since :meth:`zero_grad` the norm is 0, as torch's.
         """
         self._reducer.take_back()
         self._check_model()
+        if self._reducer.state is GradState.EMPTY:  # the same on every rank: a backward pass is collective
+            return torch.zeros((), device=self.comm.device)
         self._reducer.require_reduced("clip_grad_norm_()")
         grads = self._master_grads()
         norm_type = float(norm_type)
@@ -243,24 +246,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update this rank's shard with the wrapped optimizer, then share it with every rank."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Update this rank's shard with the wrapped optimizer, then share it with every rank.
+
+        ``closure`` (re-evaluates the model and returns the loss) runs first, as in ``torch.optim``;
+        other keyword arguments go to the wrapped optimizer's ``step``. With no gradient since
+        :meth:`zero_grad` (no backward pass), nothing is updated, as torch's optimizers skip parameters
+        without a gradient.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._reducer.take_back()
         self._check_model()
-        self._reducer.require_reduced("step()")
-        frozen = self.partition.frozen + [(slot.name, slot.param) for slot in self.partition.frozen_slots]
-        for name, p in frozen:
-            if p.grad is not None:
-                raise ValueError(
-                    f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer was built but now "
-                    "has a gradient; ZeroOptimizer does not manage it. Rebuild the optimizer after unfreezing."
-                )
         if self._gatherer is not None:  # a copy still gathered now would be stale after the step
             self._gatherer.reshard_all()
+        if self._reducer.state is GradState.EMPTY:  # the same on every rank: a backward pass is collective
+            self.flush()
+            self.comm.end_step()
+            return loss
+        self._reducer.require_reduced("step()")
+        self._check_frozen_unchanged()
         buckets = self.partition.trainable_buckets
         delayed = self._delayed
         if delayed is not None and delayed.pending:  # share the update started by the previous step()
@@ -273,11 +280,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         skip = self.loss_scaler is not None and self.loss_scaler.found_inf
         handles = []
         if not skip and delayed is not None:  # this step's update is shared by the next step() or flush()
-            delayed.launch(buckets)
+            delayed.launch(buckets, kwargs)
             delayed.remember(buckets)
         elif not skip:
             for bucket in buckets:  # each bucket's parameters are shared while the next one steps
-                self._stepper.step(bucket)
+                self._stepper.step(bucket, kwargs)
                 handles.append(self.zero_stage.gather_params(bucket, self.comm))
         self._release_master_grads()
         self._wait_all(handles)
@@ -285,6 +292,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update()
         self.comm.end_step()
         return loss
+
+    def _check_frozen_unchanged(self) -> None:
+        frozen = self.partition.frozen + [(slot.name, slot.param) for slot in self.partition.frozen_slots]
+        for name, p in frozen:
+            if p.grad is not None:
+                raise ValueError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer was built but now "
+                    "has a gradient; ZeroOptimizer does not manage it. Rebuild the optimizer after unfreezing."
+                )
 
     def flush(self) -> None:
         """With ``offload.delayed_step``: wait for the update started by the last :meth:`step` and share it

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -75,12 +75,13 @@ class BucketStepper:
                 raise ValueError(f"step_kernel='triton' cannot step {bucket}: {reason}. Use step_kernel='auto'.")
 
     @torch.no_grad()
-    def step(self, bucket: Bucket) -> None:
-        """Update the bucket's master chunk and this rank's chunk of its parameters."""
-        if bucket.index in self.triton:
+    def step(self, bucket: Bucket, step_kwargs: dict[str, Any]) -> None:
+        """Update the bucket's master chunk and this rank's chunk of its parameters (``step_kwargs``: what
+        the user passed to ``step()``, for an optimizer whose ``step`` takes more than a closure)."""
+        if bucket.index in self.triton and not step_kwargs:
             self._triton_step(bucket)
             return
-        self.update_master(bucket, self.optimizer)
+        self.update_master(bucket, self.optimizer, step_kwargs=step_kwargs)
         bucket.push_master()
 
     @staticmethod
@@ -90,6 +91,7 @@ class BucketStepper:
         optimizer: torch.optim.Optimizer,
         grads: torch.Tensor | None = None,
         pieces: list[LocalPiece] | None = None,
+        step_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Step ``optimizer`` (the wrapped one, or a copy of it: ``zero.delayed``) over the bucket's ``pieces``
         (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
@@ -101,7 +103,8 @@ class BucketStepper:
                 bucket.grad_piece(piece) if grads is None else grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
             )
         try:
-            type(optimizer).step(optimizer)  # the class's step: not a wrapper an LR scheduler set on the instance
+            # the class's step: not a wrapper an LR scheduler set on the instance
+            type(optimizer).step(optimizer, **(step_kwargs or {}))
         finally:
             for piece in pieces:
                 piece.tensor.grad = None

@@ -69,14 +69,6 @@ def test_optimizer_with_parameters_outside_the_model():
         ZeroOptimizer(opt, model)
 
 
-def test_step_before_backward():
-    _, opt = wrap()
-    with pytest.raises(ValueError, match=r"step\(\) called before backward"):
-        opt.step()
-    with pytest.raises(ValueError, match=r"clip_grad_norm_\(\) called before backward"):
-        opt.clip_grad_norm_(1.0)
-
-
 def test_step_after_no_sync_only():
     model, opt = wrap()
     with opt.no_sync():

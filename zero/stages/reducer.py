@@ -113,12 +113,12 @@ class GradReducer:
         self.state = new
 
     def require_reduced(self, what: str) -> None:
-        """Raise unless reduced gradients are ready for ``what`` (``step()``, ``clip_grad_norm_()``)."""
+        """Raise unless reduced gradients are ready for ``what`` (``step()``, ``clip_grad_norm_()``; their callers
+        handle an empty state: no gradient since ``zero_grad()``)."""
         self.settle()
         messages = {
             GradState.ACCUMULATING: f"{what} called after a backward pass inside no_sync(): its gradients were "
             "never reduced across ranks. Run the last micro-batch's backward outside no_sync().",
-            GradState.EMPTY: f"{what} called before backward(): there are no gradients to use yet",
             GradState.REDUCING: f"{what} called inside a backward pass (from a hook?); call it after backward()",
             GradState.INTERRUPTED: f"{what}: {_INTERRUPTED}",
         }
