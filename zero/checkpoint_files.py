@@ -1,9 +1,10 @@
 """The portable checkpoint on disk: one directory, read back at any world size and stage.
 
-Layout (``zero.checkpoint/1``)::
+Layout (``zero.checkpoint/2``)::
 
     CHECKPOINT/
       metadata.json                          what is where, the run that saved it, checksums
+      metadata.json.sha256                   the SHA-256 of metadata.json (``sha256sum -c`` format)
       part-00000-of-00003.safetensors        what rank 0 wrote (safetensors layout, ``zero.tensorfile``)
       part-00001-of-00003.safetensors
       ...
@@ -16,33 +17,39 @@ state name: key}]``. A piece is what one rank owned when it saved (a chunk of a 
 each range a rank owns now, the intersecting ranges of the saved pieces: any world size, any stage.
 Tied parameters are stored once, under their first name, with their other names in ``aliases``.
 
-``metadata.json`` also holds each file's size and each entry's CRC-32, which :class:`Checkpoint`
-checks before anything is loaded, and it is written last: a directory without it is an unfinished
-save and is refused.
+**What opening one verifies** (:class:`Checkpoint`, before anything is allocated or loaded): the
+SHA-256 of ``metadata.json`` against ``metadata.json.sha256`` (another file: no single edit can
+change the metadata and its checksum together); the metadata against its schema
+(:mod:`zero.checkpoint_schema`: types, ranges, and every entry, piece and name consistent with
+the others); each part's size against the recorded one; and each part's own safetensors header
+(itself checked against the SHA-256 written in it) against the metadata's entries, CRCs included.
+The bytes a load reads are then checked against their CRC-32s (:meth:`Checkpoint.verify`, or
+``read(check=True)``). ``metadata.json`` is written last: a directory without it is an
+unfinished save (see :mod:`zero.checkpoint_directory`).
+
+File names come only from the schema's ``part-RRRRR-of-WWWWW.safetensors``, so nothing outside the
+directory is ever named. A part that is a symlink is followed: whoever can make links in the
+directory can write its files too, and every byte read through it is checked all the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
+from pydantic import ValidationError
 
 from zero import tensorfile
-from zero.tensorfile import Entry
-
-FORMAT = "zero.checkpoint/1"
-METADATA = "metadata.json"
-PARTIAL_SUFFIX = ".partial"  # a save in progress (or one that died)
-REPLACED_SUFFIX = ".replaced"  # the previous checkpoint, while a save over it renames the new one in
-
-
-def part_name(rank: int, world_size: int) -> str:
-    return f"part-{rank:05d}-of-{world_size:05d}.safetensors"
+from zero.checkpoint_directory import CHECKSUM, METADATA, resolve
+from zero.checkpoint_schema import FORMAT, CheckpointMetadata, TensorRecord, entries_of, summary
+from zero.tensorfile import numel_of
 
 
 @dataclass(frozen=True)
@@ -58,45 +65,39 @@ class SavedPiece:
         return self.start + self.numel
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint directory to read: ``path``, or the previous checkpoint a save over ``path`` set aside
-    before dying (``PATH.replaced``); a clear error for a missing or unfinished one."""
-    path = Path(path)
-    if (path / METADATA).is_file():
-        return path
-    replaced = path.with_name(path.name + REPLACED_SUFFIX)
-    if not path.exists() and (replaced / METADATA).is_file():
-        print(f"zero: {path} is missing but {replaced} holds the checkpoint a save over it set aside; loading that")
-        return replaced
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    if path.name.endswith(PARTIAL_SUFFIX) or (not path.exists() and partial.exists()):
-        raise ValueError(
-            f"{path}: this checkpoint was never finished (a save was interrupted: {METADATA} is written last and is "
-            "missing); load the previous checkpoint instead"
-        )
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    raise ValueError(f"{path} is not a zero checkpoint: it has no {METADATA} (an unfinished save, or another format)")
-
-
 class Checkpoint:
-    """An opened checkpoint directory: its metadata checked, its files present and of the recorded sizes."""
+    """An opened checkpoint directory, every check of the module docstring passed (the tensors' CRCs are
+    checked as they are read or verified)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = resolve(path)
-        self.meta = _read_metadata(self.path / METADATA)
-        self.files = [self.path / f["name"] for f in self.meta["files"]]
-        self.entries = [{k: Entry.from_json(v) for k, v in f["entries"].items()} for f in self.meta["files"]]
-        for file, record in zip(self.files, self.meta["files"]):
-            if not file.is_file():
-                raise ValueError(f"{file} is missing: this checkpoint lacks a rank's part (saved by {len(self.files)} ranks)")
-            size = file.stat().st_size
-            if size != record["bytes"]:
-                raise ValueError(f"{file} has {size} bytes but {record['bytes']} were written: it is truncated or damaged")
-        self.tensors: dict[str, dict[str, Any]] = self.meta["tensors"]
-        self.pieces = {name: [SavedPiece(*p) for p in t["pieces"]] for name, t in self.tensors.items()}
+        self.meta = read_metadata(self.path)
+        self.files = [self.path / f.name for f in self.meta.files]
+        self.entries = [entries_of(f) for f in self.meta.files]
+        self.tensors: dict[str, TensorRecord] = self.meta.tensors
+        self.pieces = {name: [SavedPiece(*p) for p in t.pieces] for name, t in self.tensors.items()}
         self._handles: dict[int, BinaryIO] = {}
         self._maps: dict[int, mmap.mmap] = {}
+        try:
+            for index, (file, record) in enumerate(zip(self.files, self.meta.files)):
+                self._check_part(index, file, record.bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_part(self, index: int, file: Path, recorded: int) -> None:
+        """The part is there, of the recorded size, and its own header describes the entries the metadata lists."""
+        if not file.is_file():
+            raise ValueError(f"{file} is missing: this checkpoint lacks a rank's part (saved by {len(self.files)} ranks)")
+        size = file.stat().st_size
+        if size != recorded:
+            raise ValueError(f"{file} has {size} bytes but {recorded} were written: it is truncated or damaged")
+        entries = tensorfile.read_header(self._handle(index), str(file)).entries
+        if entries != self.entries[index]:
+            differ = sorted(set(entries) ^ set(self.entries[index])) or \
+                sorted(k for k in entries if entries[k] != self.entries[index][k])
+            raise ValueError(f"{file} does not match {self.path / METADATA}: entries {differ[:3]} differ (dtype, shape, "
+                             "offset, size or CRC-32); the checkpoint is damaged")
 
     def close(self) -> None:
         for mapped in self._maps.values():
@@ -130,14 +131,14 @@ class Checkpoint:
                 raise ValueError(self._corrupted(piece.file, piece.value, crc, recorded))
 
     def numel(self, name: str) -> int:
-        return _numel(self.tensors[name]["shape"])
+        return numel_of(self.tensors[name].shape)
 
     def read_whole(self, name: str, *, check: bool = True) -> torch.Tensor:
         """Saved tensor ``name`` whole, in its saved dtype and shape (a new CPU tensor; CRCs checked)."""
         record = self.tensors[name]
-        out = torch.empty(_numel(record["shape"]), dtype=tensorfile.DTYPES[record["dtype"]])
+        out = torch.empty(self.numel(name), dtype=tensorfile.DTYPES[record.dtype])
         self.read(name, 0, out.numel(), out, check=check)
-        return out.view(record["shape"])
+        return out.view(record.shape)
 
     def read_state(self, name: str, start: int, numel: int) -> dict[str, torch.Tensor]:
         """The optimizer state of elements ``[start, start + numel)`` of ``name``: each state tensor cut to that
@@ -166,7 +167,7 @@ class Checkpoint:
     def extra_tensor(self, index: int) -> torch.Tensor:
         """The ``index``-th tensor set aside by :func:`zero.tree.encode` (in rank 0's file)."""
         entry = self.entries[0][f"x/{index}"]
-        return self._read(0, f"x/{index}", 0, _numel(entry.shape)).reshape(entry.shape).clone()
+        return self._read(0, f"x/{index}", 0, entry.numel).reshape(entry.shape).clone()
 
     # ----- verifying -------------------------------------------------------------------------------------
 
@@ -179,7 +180,7 @@ class Checkpoint:
                 keys.update((piece.file, key) for key in piece.state.values())
         return keys
 
-    def verify(self, keys: set[tuple[int, str]], on_bytes=None) -> None:
+    def verify(self, keys: set[tuple[int, str]], on_bytes: Callable[[int], None] | None = None) -> None:
         """Check the CRC-32 of every entry in ``keys``; raise a ValueError naming the file and entry on a mismatch."""
         for file, key in sorted(keys):
             entry = self.entries[file][key]
@@ -190,21 +191,14 @@ class Checkpoint:
                 on_bytes(entry.nbytes)
 
     def _read(self, file: int, key: str, start: int, numel: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=self.entries[file][key].torch_dtype if key in self.entries[file] else torch.uint8)
+        out = torch.empty(numel, dtype=self.entries[file][key].torch_dtype)
         self._read_into(file, key, start, out)
         return out
 
     def _read_into(self, file: int, key: str, start: int, out: torch.Tensor, crc: bool = False) -> int | None:
-        entry = self._entry(file, key, start, out.numel())
+        entry = self.entries[file][key]
+        assert 0 <= start and start + out.numel() <= entry.numel, "the schema keeps every piece inside its entry"
         return tensorfile.read_into(self._handle(file), entry, start, out, str(self.files[file]), crc=crc)
-
-    def _entry(self, file: int, key: str, start: int, numel: int) -> Entry:
-        entry = self.entries[file].get(key)
-        if entry is None:
-            raise ValueError(f"{self.files[file]} has no entry {key!r} though {METADATA} lists it; the checkpoint is damaged")
-        if start < 0 or start + numel > _numel(entry.shape):
-            raise ValueError(f"{self.files[file]}: {key!r} holds {_numel(entry.shape)} elements, not {start + numel}; damaged")
-        return entry
 
     def _corrupted(self, file: int, key: str, got: int, recorded: int) -> str:
         return (f"{self.files[file]} is corrupted: the bytes of {key!r} have CRC-32 {got:#010x} but {recorded:#010x} "
@@ -221,38 +215,44 @@ class Checkpoint:
         return self._handles[file]
 
 
-def _numel(shape) -> int:
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    return numel
-
-
-def _read_metadata(path: Path) -> dict[str, Any]:
+def read_metadata(directory: Path) -> CheckpointMetadata:
+    """``directory``'s metadata: its SHA-256 checked against ``metadata.json.sha256``, then its schema. Every
+    refusal is a ValueError naming the file and the cause."""
+    path, checksum = directory / METADATA, directory / CHECKSUM
+    raw = path.read_bytes()
+    if not checksum.is_file():
+        _check_format(path, raw)
+        raise ValueError(f"{checksum} is missing: without it {path} cannot be verified; the checkpoint is damaged "
+                         "(restore the file, or load an earlier checkpoint)")
+    with open(checksum, "rb") as f:
+        line = f.read(1024)
+    match = re.fullmatch(rb"([0-9a-f]{64})  " + re.escape(METADATA.encode()) + rb"\n?", line)
+    if match is None:
+        raise ValueError(f"{checksum} is damaged: it is not one line '<SHA-256 in hex>  {METADATA}'")
+    if hashlib.sha256(raw).hexdigest() != match.group(1).decode():
+        raise ValueError(f"{path} does not match the SHA-256 recorded in {checksum}: one of them was damaged or edited; "
+                         "restore it, or load an earlier checkpoint")
     try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return CheckpointMetadata.model_validate_json(raw, strict=True)
+    except ValidationError as err:
+        problem = summary(err)
+    _check_format(path, raw)
+    raise ValueError(f"{path} is damaged or was edited: {problem}")
+
+
+def _check_format(path: Path, raw: bytes) -> None:
+    """A clear error when ``raw`` is not JSON or not this format; returns when it claims to be this format."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}); the checkpoint is damaged") from err
     tag = meta.get("format") if isinstance(meta, dict) else None
     if not isinstance(tag, str) or not tag.startswith("zero.checkpoint/"):
         raise ValueError(f"{path} is not a zero checkpoint's metadata (no 'format': {FORMAT!r})")
+    if tag == "zero.checkpoint/1":
+        raise ValueError(f"{path} is in format 'zero.checkpoint/1', saved by an earlier zero without a checksum of its "
+                         f"metadata, which this version requires ({FORMAT!r}); load it with the zero version that saved "
+                         f"it (zero {meta.get('zero_version')}, an earlier commit) and save it again with this one")
     if tag != FORMAT:
-        raise ValueError(
-            f"{path} is in format {tag!r}, which this version of zero cannot read (it reads {FORMAT!r}); "
-            "load it with the zero version that saved it"
-        )
-    missing = [k for k in ("world_size", "stage", "files", "tensors", "aliases") if k not in meta]
-    if missing:
-        raise ValueError(f"{path} lacks {missing}; the checkpoint is damaged")
-    return meta
-
-
-def check_coverage(name: str, numel: int, pieces: list[SavedPiece], where: Path) -> None:
-    """The pieces of ``name`` tile ``[0, numel)`` exactly."""
-    position = 0
-    for piece in sorted(pieces, key=lambda p: p.start):
-        if piece.start != position:
-            break
-        position = piece.end
-    if position != numel or sum(p.numel for p in pieces) != numel:
-        raise ValueError(f"{where}: the saved pieces of {name!r} do not cover its {numel} elements exactly; it is damaged")
+        raise ValueError(f"{path} is in format {tag!r}, which this version of zero cannot read (it reads {FORMAT!r}); "
+                         "load it with the zero version that saved it")

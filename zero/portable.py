@@ -10,12 +10,15 @@ Loading, each rank reads the ranges it owns now from whichever files hold them.
 Notes:
 
 * **Atomic.** A save goes to ``PATH.partial``; only when every rank has written and fsynced its
-  part and rank 0 has written the metadata (with each entry's CRC-32) is it renamed to ``PATH``.
-  Saving over an existing checkpoint renames the old one to ``PATH.replaced`` for the moment
-  between the two renames; :func:`load_checkpoint` falls back to it if a crash left only it.
-* **Checked before anything changes.** A load checks the metadata against the model and optimizer
-  and verifies the CRC of every byte this rank will read, on every rank, and the ranks agree, before
-  the first value is written. A refused load leaves the running model and optimizer untouched.
+  part and rank 0 has written the metadata (with each entry's CRC-32, and its own SHA-256 beside it)
+  is it renamed to ``PATH``. Saving over an existing checkpoint renames the old one to
+  ``PATH.replaced`` for the moment between the two renames. A crash at any point leaves a loadable
+  checkpoint, and the next save finishes or clears what it left; nothing that this library did not
+  write is ever deleted (:mod:`zero.checkpoint_directory`: each step, and what a crash leaves).
+* **Checked before anything changes.** A load checks the metadata (checksum, schema, the parts'
+  headers: :mod:`zero.checkpoint_files`) and against the model and optimizer, and verifies the CRC
+  of every byte this rank will read, on every rank, and the ranks agree, before the first value is
+  written. A refused load leaves the running model and optimizer untouched.
 * **Never hangs on one rank's error.** Each phase ends with ``Communicator.everywhere``: a small
   all-gather of every rank's outcome (with the timeout), so an error on one rank is raised on all of them.
 * **Why not torch.distributed.checkpoint.** DCP reshards on load too, but its metadata is a pickle
@@ -27,21 +30,18 @@ Notes:
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from zero import tensorfile, tree
+from zero import checkpoint_directory, tensorfile, tree
 from zero.bucket import Bucket, ParamSlot
 from zero.checkpoint import class_name
-from zero.checkpoint_files import (
-    FORMAT, METADATA, PARTIAL_SUFFIX, REPLACED_SUFFIX, Checkpoint, SavedPiece, check_coverage, part_name,
-)
+from zero.checkpoint_files import Checkpoint
+from zero.checkpoint_schema import FORMAT, CheckpointMetadata, part_name
 from zero.comm import Communicator
 from zero.optimizer import ZeroOptimizer
 from zero.progress import Progress, ProgressArg
@@ -64,6 +64,7 @@ class Held:
         return bucket.master.dtype if bucket.trainable else bucket.shard.dtype
 
     def record(self) -> dict[str, Any]:
+        """Its ``tensors`` entry in the metadata (:class:`zero.checkpoint_schema.TensorRecord`), pieces to come."""
         trainable = self.slot is not None and self.slot.bucket.trainable
         return {
             "kind": self.kind, "shape": list(self.tensor.shape), "dtype": tensorfile.dtype_code(self.saved_dtype),
@@ -89,13 +90,16 @@ def save_checkpoint(
     exports to one file with :func:`zero.consolidate`. ``extra`` is any tree of dicts, lists,
     tuples, strings, numbers and tensors (a data loader's position, an RNG state): it is stored as
     JSON plus tensors, never pickled. An existing checkpoint at ``path`` is replaced atomically;
-    anything else there is refused. ``progress``: print progress on rank 0 (``True``), nothing
-    (``False``) or a callable ``(bytes done, bytes total)``, called on every rank. Returns ``path``.
+    anything else there is refused, and so is a ``PATH.partial`` or ``PATH.replaced`` that an
+    interrupted save of ``path`` did not leave. A symlink at ``path`` is replaced by the new
+    checkpoint; the directory it pointed to is left as it was. ``progress``: print progress on
+    rank 0 (``True``), nothing (``False``) or a callable ``(bytes done, bytes total)``, called on
+    every rank. Returns ``path``.
     """
     opt = _checked(model, optimizer)
     comm = opt.comm
     final = Path(path)
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    partial, _ = checkpoint_directory.siblings(final)
     opt.settle_for_checkpoint()
 
     def prepare() -> tuple:
@@ -107,7 +111,7 @@ def save_checkpoint(
         writes, pieces = _my_writes(opt, held)
         if comm.rank == 0:
             writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
-            _prepare_directory(final, partial)
+            checkpoint_directory.prepare(final)
         return held, aliases, encoded, writes, pieces
 
     held, aliases, encoded, writes, pieces = comm.everywhere(prepare, "preparing the save")
@@ -125,8 +129,9 @@ def save_checkpoint(
     for rank, manifest in enumerate(manifests):
         for name, records in manifest["pieces"].items():
             meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
-    comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
-    meter.finish(f"saved {final} ({comm.world_size} part{'s' if comm.world_size > 1 else ''})")
+    note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
+    parts = f"{comm.world_size} part{'s' if comm.world_size > 1 else ''}"
+    meter.finish(f"saved {final} ({parts}{'; ' + note if note else ''})")
     return final
 
 
@@ -201,43 +206,20 @@ def _write_part(partial: Path, comm: Communicator, writes: list[Write], pieces: 
     """Write this rank's file; return its manifest (entries, pieces by tensor name, size, largest ``step``)."""
     file = partial / part_name(comm.rank, comm.world_size)
     specs = [spec for spec, _ in writes]
-    entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance)
+    entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance).entries
     steps = [float(make()) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")]
     return {"entries": {k: e.to_json() for k, e in entries.items()}, "pieces": pieces,
             "bytes": file.stat().st_size, "step": int(max(steps, default=0))}
 
 
-def _prepare_directory(final: Path, partial: Path) -> None:
-    """Refuse to replace something that is not a checkpoint; clear a partial save left by a crash."""
-    if final.exists() and not (final / METADATA).is_file():
-        raise FileExistsError(f"{final} exists and is not a zero checkpoint (no {METADATA}); refusing to replace it. "
-                              "Choose another path or remove it.")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-
-
-def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Write the metadata last, then rename the directory into place (the old checkpoint set aside meanwhile)."""
-    for name, record in meta["tensors"].items():
+def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> str | None:
+    """Write the metadata last, then rename the directory into place (the old checkpoint set aside meanwhile).
+    What is written must pass the schema a load checks (an internal invariant: a save that succeeds loads)."""
+    for record in meta["tensors"].values():
         record["pieces"].sort(key=lambda p: p[1])
-        check_coverage(name, math.prod(record["shape"]), [SavedPiece(*p) for p in record["pieces"]], partial)
-    tmp = partial / (METADATA + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(partial / METADATA)
-    _fsync_dir(partial)
-    replaced = final.with_name(final.name + REPLACED_SUFFIX)
-    if replaced.exists():
-        shutil.rmtree(replaced)
-    if final.exists():
-        final.rename(replaced)
-    partial.rename(final)
-    _fsync_dir(final.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    text = json.dumps(meta).encode()
+    CheckpointMetadata.model_validate_json(text, strict=True)
+    return checkpoint_directory.publish(partial, final, text)
 
 
 # ----- loading ----------------------------------------------------------------------------------------------
@@ -273,8 +255,8 @@ def load_checkpoint(
         _apply(ckpt, opt, plan)
         if scheduler is not None and plan.state["scheduler"] is not None:
             scheduler.load_state_dict(plan.state["scheduler"])
-        ranks = ckpt.meta["world_size"]
-        plan.meter.finish(f"loaded {ckpt.path} (saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta['stage']})")
+        ranks = ckpt.meta.world_size
+        plan.meter.finish(f"loaded {ckpt.path} (saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta.stage})")
         return plan.state["extra"]
     finally:
         ckpt.close()
@@ -299,44 +281,57 @@ def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: 
             keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
     meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
     ckpt.verify(keys, on_bytes=meter.advance)
-    state = tree.decode(ckpt.meta["state"], ckpt.extra_tensor)
+    state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
     if len(state["param_groups"]) != len(opt.param_groups):
         raise ValueError(f"{ckpt.path} was saved with {len(state['param_groups'])} param groups but the optimizer has "
                          f"{len(opt.param_groups)}; build it with the same param groups as when it was saved")
     return LoadPlan(held, state, meter)
 
 
-def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]]) -> None:
-    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds, and
-    each saved tensor's pieces cover it."""
-    saved = set(ckpt.tensors) | set(ckpt.meta["aliases"])
-    if saved != set(shapes):
-        missing, unexpected = sorted(set(shapes) - saved), sorted(saved - set(shapes))
-        raise ValueError(f"{ckpt.path} is a checkpoint of another model: the model has {missing[:4]} that it lacks, "
-                         f"and it has {unexpected[:4]} that the model lacks")
-    for name, shape in shapes.items():
-        stored = ckpt.meta["aliases"].get(name, name)
-        if stored not in ckpt.tensors:
-            raise ValueError(f"{ckpt.path}: {name!r} is an alias of {stored!r}, which it does not hold; it is damaged")
-        if list(ckpt.tensors[stored]["shape"]) != list(shape):
-            raise ValueError(f"{ckpt.path} is a checkpoint of another model: {name!r} has shape "
-                             f"{tuple(ckpt.tensors[stored]['shape'])} there but {tuple(shape)} in the model")
-    for name in ckpt.tensors:
-        check_coverage(name, ckpt.numel(name), ckpt.pieces[name], ckpt.path)
+def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: int = 4) -> None:
+    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds. The
+    refusal names the shape mismatches first, then the names only the checkpoint has, then those only the model
+    has, each with its count (the first ``shown`` of each listed)."""
+    aliases = ckpt.meta.aliases
+    saved = {name: tuple(ckpt.tensors[aliases.get(name, name)].shape) for name in [*ckpt.tensors, *aliases]}
+    differ = [name for name in sorted(saved.keys() & shapes.keys()) if saved[name] != tuple(shapes[name])]
+    only_saved, only_model = sorted(saved.keys() - shapes.keys()), sorted(shapes.keys() - saved.keys())
+    if not (differ or only_saved or only_model):
+        return
+    halves = []
+    if differ:
+        listed = ", ".join(f"{n!r} is {saved[n]} in the checkpoint but {tuple(shapes[n])} in the model" for n in differ[:shown])
+        halves.append(f"{_count(differ, 'tensor')} of another shape ({listed}{_more(differ, shown)})")
+    if only_saved:
+        halves.append(f"the checkpoint has {_count(only_saved, 'tensor')} that the model lacks "
+                      f"({', '.join(map(repr, only_saved[:shown]))}{_more(only_saved, shown)})")
+    if only_model:
+        halves.append(f"the model has {_count(only_model, 'tensor')} that the checkpoint lacks "
+                      f"({', '.join(map(repr, only_model[:shown]))}{_more(only_model, shown)})")
+    raise ValueError(f"{ckpt.path} is a checkpoint of another model: {'; '.join(halves)}")
+
+
+def _count(names: list[str], what: str) -> str:
+    return f"{len(names)} {what}{'s' if len(names) > 1 else ''}"
+
+
+def _more(names: list[str], shown: int) -> str:
+    return f", and {len(names) - shown} more" if len(names) > shown else ""
 
 
 def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, held: list[Held]) -> None:
     """The same optimizer class, and every trainable parameter in the same param group."""
     has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces)
-    if has_state and ckpt.meta["optimizer_class"] != class_name(opt.inner):
-        raise ValueError(f"{ckpt.path} holds the state of a {ckpt.meta['optimizer_class']} but this ZeroOptimizer wraps "
-                         f"a {class_name(opt.inner)}; wrap a {ckpt.meta['optimizer_class']} to resume from it")
+    saved_class = ckpt.meta.optimizer_class
+    if has_state and saved_class != class_name(opt.inner):
+        raise ValueError(f"{ckpt.path} holds the state of a {saved_class} but this ZeroOptimizer wraps "
+                         f"a {class_name(opt.inner)}; wrap a {saved_class} to resume from it")
     for h in held:
         if h.slot is None or not h.slot.bucket.trainable:
             continue
-        record = ckpt.tensors[ckpt.meta["aliases"].get(h.name, h.name)]
-        if record["trainable"] and record["group"] != h.slot.group_index:
-            raise ValueError(f"{h.name!r} was in param group {record['group']} when saved but is in group "
+        record = ckpt.tensors[ckpt.meta.aliases.get(h.name, h.name)]
+        if record.trainable and record.group != h.slot.group_index:
+            raise ValueError(f"{h.name!r} was in param group {record.group} when saved but is in group "
                              f"{h.slot.group_index} now; build the optimizer with the same param groups")
 
 
@@ -351,7 +346,7 @@ def _ranges(h: Held, opt: ZeroOptimizer) -> list[tuple[int, int]]:
 
 def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
     """Write the values into masters, shards and whole tensors; rebuild the optimizer state; share."""
-    aliases = ckpt.meta["aliases"]
+    aliases = ckpt.meta.aliases
     with torch.no_grad():
         for h in plan.held:
             name = aliases.get(h.name, h.name)
@@ -384,13 +379,13 @@ def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: Progr
     with Checkpoint(path) as ckpt:
         sd = model.state_dict(keep_vars=True)
         _check_names(ckpt, {name: tuple(tensor.shape) for name, tensor in sd.items()})
-        names = {name: ckpt.meta["aliases"].get(name, name) for name in sd}
+        names = {name: ckpt.meta.aliases.get(name, name) for name in sd}
         keys = ckpt.extra_keys()
         for name in set(names.values()):
             keys |= ckpt.keys_of(name, 0, ckpt.numel(name), state=False)
         meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
         ckpt.verify(keys, on_bytes=meter.advance)
-        state = tree.decode(ckpt.meta["state"], ckpt.extra_tensor)
+        state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
         with torch.no_grad():
             for name, tensor in sd.items():
                 ckpt.read(names[name], 0, tensor.numel(), tensor.data.view(-1))
@@ -416,14 +411,6 @@ def _hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
 
 def _state_of(scheduler: Any) -> Any:
     return scheduler.state_dict() if scheduler is not None else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _version() -> str:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import zero
+from tests.checkpoints import rewrite_metadata
 from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, flat_params, make_optimizer
 from zero import tree
 from zero.checkpoint_files import METADATA, Checkpoint
@@ -178,7 +179,7 @@ def test_saving_over_a_checkpoint_replaces_it_and_a_crash_between_renames_keeps_
     train(model, opt, scheduler, range(3, 4))
     zero.save_checkpoint(path, model, opt, progress=False)
     assert not (tmp_path / "ckpt.replaced").exists() and not (tmp_path / "ckpt.partial").exists()
-    assert Checkpoint(path).meta["step"] == 4
+    assert Checkpoint(path).meta.step == 4
     # what a crash between the two renames leaves: only the old checkpoint, set aside
     zero.save_checkpoint(tmp_path / "old", *build(2)[:2], progress=False)
     (tmp_path / "old").rename(tmp_path / "new.replaced")
@@ -201,11 +202,23 @@ def _refused(path, model, opt, match: str, exc=ValueError) -> None:
     assert repr(before[1]) == repr(after[1])
 
 
-def test_another_model_is_refused(tmp_path):
+def test_another_model_is_refused_naming_each_side(tmp_path):
+    """Which side has which names, how many, and that the list is cut; shape mismatches first, alone when they
+    are the only difference (issue 24 item 10: it said "the model has [] that it lacks, and it has [...]")."""
     path, _ = saved(tmp_path)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)
-    _refused(path, model, opt, r"checkpoint of another model: the model has \['0.bias', '0.weight'\]")
+    _refused(path, model, opt, r"ckpt is a checkpoint of another model: the checkpoint has 36 tensors that the model "
+             r"lacks \('aux.bias', 'aux.weight', 'frozen_bias', 'gpt.blocks.0.attn.proj.bias', and 32 more\); the model "
+             r"has 2 tensors that the checkpoint lacks \('0.bias', '0.weight'\)$")
+    narrow = nn.Sequential(nn.Linear(32, 4), nn.Linear(4, 2))
+    zero.save_checkpoint(tmp_path / "narrow", narrow, zero.ZeroOptimizer(torch.optim.SGD(narrow.parameters()), narrow),
+                         progress=False)
+    wide = nn.Sequential(nn.Linear(128, 4), nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"narrow is a checkpoint of another model: 1 tensor of another shape \('0.weight' "
+                       r"is \(4, 32\) in the checkpoint but \(4, 128\) in the model\); the model has 2 tensors that "
+                       r"the checkpoint lacks \('3.bias', '3.weight'\)$"):
+        zero.load_checkpoint(tmp_path / "narrow", wide, progress=False)
 
 
 def test_other_shapes_class_or_groups_are_refused(tmp_path):
@@ -230,9 +243,9 @@ def test_corrupted_truncated_missing_and_unknown_are_refused(tmp_path):
     _refused(path, model, opt, r"part-00000-of-00001.safetensors has \d+ bytes but \d+ were written: it is truncated")
     part.unlink()
     _refused(path, model, opt, r"part-00000-of-00001.safetensors is missing: this checkpoint lacks a rank's part")
-    (path / METADATA).write_text(json.dumps({**meta, "format": "zero.checkpoint/9"}))
+    rewrite_metadata(path, lambda m: m.update(format="zero.checkpoint/9"))
     _refused(path, model, opt, r"format 'zero.checkpoint/9', which this version of zero cannot read")
-    (path / METADATA).write_text("{not json")
+    rewrite_metadata(path, "{not json")
     _refused(path, model, opt, "is not valid JSON")
     (path / METADATA).unlink()
     _refused(path, model, opt, "not a zero checkpoint")
@@ -317,7 +330,7 @@ def test_hugging_face_gpt2_export_loads_with_from_pretrained(tmp_path):
         opt.step()
         opt.zero_grad()
     zero.save_checkpoint(tmp_path / "ckpt", model, opt, progress=False)
-    assert Checkpoint(tmp_path / "ckpt").meta["aliases"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert Checkpoint(tmp_path / "ckpt").meta.aliases == {"lm_head.weight": "transformer.wte.weight"}
     files = zero.consolidate(tmp_path / "ckpt", tmp_path / "hf", max_shard_size="60KB", progress=False)
     assert files[-1].name == "model.safetensors.index.json" and len(files) > 2
     config.save_pretrained(tmp_path / "hf")
