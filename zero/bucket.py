@@ -58,6 +58,7 @@ class ParamSlot:
     placeholder: torch.Tensor | None = None  # stage 3: its ``.data`` while sharded
     grad_guard: torch.Tensor | None = None  # stages 1-3: its p.grad while the reduced gradient is sharded
     local_grad: torch.Tensor | None = None  # stages 1-3: no_sync() gradients kept behind the guard between passes
+    wide_grad: torch.Tensor | None = None  # no_sync() gradients accumulated in the wider reduce dtype (bf16 -> fp32)
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass

@@ -22,10 +22,11 @@ from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.offload import Placement, check_host_memory, warn_unfused_host_step
-from zero.ownership import check_model, claim_parameters
+from zero.ownership import check_model, claim_parameters, managed_elsewhere
 from zero.partition import build_partition
 from zero.precision import (
     DTYPES,
+    UnitInputCast,
     cast_inputs,
     cast_unmanaged_parameters,
     check_device_supports,
@@ -37,6 +38,7 @@ from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
 from zero.units import plan_units
 from zero.weak import weak_hook
+from zero.wrappers import check_not_called_by_ddp, check_not_ddp
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -93,6 +95,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, ZeroOptimizer):
             raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
         check_optimizer(optimizer)
+        check_not_ddp(model)
         self.module = model
         self.comm = Communicator(
             process_group,
@@ -173,6 +176,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         if precision.enabled and precision.cast_forward_inputs:
             model.register_forward_pre_hook(weak_hook(self._cast_forward_inputs), with_kwargs=True)
+            cast = UnitInputCast(DTYPES[precision.param_dtype])
+            for module in self._unit_modules():
+                module.register_forward_pre_hook(cast, with_kwargs=True)
+        first_forward = torch.compiler.disable(weak_hook(self._before_first_forward))  # (it reads the call stack)
+        self._first_forward_hook = model.register_forward_pre_hook(first_forward)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -490,6 +498,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.begin_pass()
         self._release_master_grads()
 
+    def _before_first_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.wrappers)."""
+        check_not_called_by_ddp(self.module)
+        self._first_forward_hook.remove()
+
     def _cast_forward_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Cast the root forward's floating-point inputs to ``param_dtype``; first check the model (a cast
         after wrapping would otherwise surface as torch's dtype mismatch, not as our error naming the fix)."""
@@ -528,10 +541,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _broadcast_module_states(self, skip: set) -> None:
         """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
-        buffers): every rank initializes them alike, from the same seed."""
+        buffers: every rank initializes them alike, from the same seed) and parameters another live
+        ZeroOptimizer manages (a part of the model trained apart)."""
         if self.comm.skips_collectives:
             return
-        tensors = [t for t in [*self.module.parameters(), *self.module.buffers()] if t not in skip and not t.is_meta]
+        params = [p for p in self.module.parameters() if not managed_elsewhere(p)]  # (broadcast by their owner)
+        tensors = [t for t in [*params, *self.module.buffers()] if t not in skip and not t.is_meta]
         what = "broadcast of rank 0's module states"
         for handle in [self.comm.broadcast(t.data, 0, what=what) for t in tensors]:
             handle.wait()
@@ -548,6 +563,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"(got stage {self.config.stage}). Use stage=3, or build the model on a real device."
             )
         return replace_meta_parameters(self.module, optimizer, self._init_device)
+
+    def _unit_modules(self) -> list[torch.nn.Module]:
+        """The modules below the root that form units: stage 3's, or the same plan at stages 0-2."""
+        if self.partition.units:
+            return [unit.module for unit in self.partition.units if unit.name]
+        size = self.config.unit_size_mb
+        units = plan_units(self.module, list(self.module.parameters()), unit_classes=self.config.unit_classes,
+                           unit_size_bytes=None if size is None else int(size * 2**20))
+        return [unit.module for unit in units if unit.name]
 
     def _unit_plan(self):
         if not isinstance(self.zero_stage, Stage3):

@@ -29,13 +29,18 @@ class OwnerRef:
         return (OwnerRef, ())
 
 
+def managed_elsewhere(param: torch.nn.Parameter) -> bool:
+    """Whether a live ZeroOptimizer manages ``param`` already."""
+    owner = getattr(param, "_zero_owner", None)
+    return owner is not None and owner.alive
+
+
 def claim_parameters(owner: object, buckets: list[Bucket]) -> None:
     """Mark every parameter in ``buckets`` as ``owner``'s; refuse one that another live ZeroOptimizer manages
     (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
     slots = [slot for bucket in buckets for slot in bucket.slots]
     for slot in slots:
-        previous = getattr(slot.param, "_zero_owner", None)
-        if previous is not None and previous.alive:
+        if managed_elsewhere(slot.param):
             raise ValueError(
                 f"parameter {slot.name!r} is already managed by another ZeroOptimizer; a parameter can belong "
                 "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (or drop the "

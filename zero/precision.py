@@ -220,3 +220,14 @@ def cast_inputs(dtype: torch.dtype, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: cast_inputs(dtype, v) for k, v in value.items()}
     return value
+
+
+class UnitInputCast:
+    """A forward pre-hook that casts a module's floating-point inputs to ``dtype`` (every unit's, as FSDP2 casts
+    the inputs of every module it wraps): a tensor made in fp32 inside forward and passed to a block works."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_inputs(self.dtype, args), cast_inputs(self.dtype, kwargs)

@@ -4,6 +4,10 @@ A *unit* is a module whose parameters are all-gathered in one go just before its
 (and again before its backward) and released afterwards. The root module is always a
 unit; it owns every parameter that no nested unit claims.
 
+Units are modules that run a forward of their own: a container that has none (``nn.ModuleList``,
+``nn.ModuleDict``, whose layers the parent calls one by one) is never a unit; its children are
+candidates in its place.
+
 Note: a parameter used by modules of different units (tied embeddings, a module shared
 between blocks) belongs to the innermost unit that encloses *all* of its users. Units
 nest, and a unit stays gathered for its whole forward, nested units' forwards included,
@@ -52,8 +56,19 @@ def plan_units(
     return [u for u in units.values() if u.params]
 
 
+def runs_forward(module: nn.Module) -> bool:
+    """Whether calling the module runs a forward of its own (containers such as ``nn.ModuleDict`` have none)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _by_class(model: nn.Module, classes: tuple[str, ...]) -> list[str]:
     wanted = set(classes)
+    containers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in wanted and not runs_forward(m)})
+    if containers:
+        raise ValueError(
+            f"unit_classes names {', '.join(containers)}, a container without a forward of its own: its layers "
+            "are called one by one, so its hooks never run. Name the class of the layers inside it instead."
+        )
     names = [name for name, m in model.named_modules() if type(m).__name__ in wanted]
     if not names:
         present = sorted({type(m).__name__ for m in model.modules()})
@@ -65,12 +80,21 @@ def _by_class(model: nn.Module, classes: tuple[str, ...]) -> list[str]:
 
 
 def _module_list_children(model: nn.Module) -> list[str]:
-    """Default policy: each module held directly in an ``nn.ModuleList`` (transformer blocks)."""
+    """Default policy: each module held directly in an ``nn.ModuleList`` (transformer blocks); for a child
+    that is a container without a forward (an ``nn.ModuleDict`` of layers), the modules inside it that run."""
     names = []
     for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList):
-            names += [f"{name}.{child}" if name else child for child, _ in m.named_children()]
+            for child, module in m.named_children():
+                names += _running(f"{name}.{child}" if name else child, module)
     return names
+
+
+def _running(name: str, module: nn.Module) -> list[str]:
+    """``name`` if the module runs a forward of its own, else the outermost modules inside it that do."""
+    if runs_forward(module):
+        return [name]
+    return [found for child, sub in module.named_children() for found in _running(f"{name}.{child}", sub)]
 
 
 def _by_size(model: nn.Module, managed: set[nn.Parameter], threshold: int) -> list[str]:
@@ -82,7 +106,7 @@ def _by_size(model: nn.Module, managed: set[nn.Parameter], threshold: int) -> li
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
         mine = [p for p in module.parameters() if p in managed and p not in claimed]
-        if sum(p.numel() * p.element_size() for p in mine) >= threshold:
+        if runs_forward(module) and sum(p.numel() * p.element_size() for p in mine) >= threshold:
             names.append(name)
             claimed.update(mine)
 

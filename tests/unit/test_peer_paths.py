@@ -101,3 +101,142 @@ def test_a_timeout_below_one_second_is_printed_as_given():
     handle = Handle(_TimedOut(), "all-gather of bucket 0", datetime.timedelta(seconds=0.5))
     with pytest.raises(RuntimeError, match=r"did not complete within 0\.5s"):
         handle.wait()
+
+
+class DictBlocks(torch.nn.Module):
+    """Blocks held as ``nn.ModuleDict``s in an ``nn.ModuleList``, their layers called from the parent's forward
+    (DeepSpeed ``test_zero_user_backward.py``'s MultiBlockFrozenModel), half of them frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"linear": torch.nn.Linear(6, 6), "norm": torch.nn.LayerNorm(6)}) for _ in range(4)
+        )
+        for block in self.blocks[::2]:
+            block.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block["norm"](block["linear"](x)))
+        return x.square().mean()
+
+
+def _train_dict_blocks(**zero_config) -> torch.Tensor:
+    model = DictBlocks()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if zero_config:
+        opt = ZeroOptimizer(opt, model, **zero_config)
+    for step in range(4):
+        model(batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model, opt)
+
+
+@pytest.mark.parametrize("plan", [{}, {"unit_size_mb": 1e-4}], ids=["default", "by_size"])
+def test_stage3_units_are_modules_that_run_forward(plan):
+    reference = _train_dict_blocks()
+    assert torch.equal(_train_dict_blocks(stage=3, **plan), reference)
+
+
+class Layers(torch.nn.ModuleDict):
+    """A container of the user's own, with no forward."""
+
+
+def test_a_container_named_as_a_unit_class_is_refused():
+    model = DictBlocks()
+    model.blocks[1] = Layers(dict(model.blocks[1].items()))
+    with pytest.raises(ValueError, match=r"names Layers, a container without a forward .* Name the class of the layers"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, unit_classes=["Layers"])
+
+
+TRANSFORMS = {
+    "grad": lambda model, x: torch.func.grad(lambda x: model(x))(x),
+    "grad_and_value": lambda model, x: torch.func.grad_and_value(lambda x: model(x))(x)[0],
+    "jacrev": lambda model, x: torch.func.jacrev(lambda x: model(x))(x),
+    "vmap_grad": lambda model, x: torch.func.vmap(torch.func.grad(lambda row: model(row.unsqueeze(0))))(x),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_torch_func_through_the_model(transform):
+    """Peer: DeepSpeed ``test_zero_torch_func.py``. Stages 0-2 equal plain torch; stage 3 refuses with the way out."""
+    model = Net()
+    x = batch(0)
+    reference = TRANSFORMS[transform](model, x)
+    for stage in (0, 1, 2):
+        model = Net()
+        opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+        assert torch.equal(TRANSFORMS[transform](model, x), reference)
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)  # noqa: F841 (kept alive)
+    with pytest.raises(RuntimeError, match=r"torch.func transform .* Use stage 0, 1 or 2 .*gathered_parameters"):
+        TRANSFORMS[transform](model, x)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_micro_batches_accumulate_in_the_fp32_reduce_dtype(stage):
+    """Peer: FSDP2 ``test_grad_acc_with_reduce_dtype``: under no_sync() the bf16 gradients of each micro-batch
+    are added in fp32 (the reduce dtype), not in bf16 (5e-3 off after 4 micro-batches)."""
+    model = Net().to(torch.bfloat16)
+    plain = Net().to(torch.bfloat16)
+    expected = [torch.zeros(p.shape) for p in plain.parameters()]
+    for step in range(4):
+        grads = torch.autograd.grad(plain(batch(step).bfloat16(), use_aux=True), list(plain.parameters()))
+        for total, grad in zip(expected, grads):
+            total += grad.float()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage,
+                        precision={"param_dtype": "bf16", "reduce_dtype": "fp32"})
+    for step in range(4):
+        with opt.no_sync() if step < 3 else torch.enable_grad():
+            model(batch(step), use_aux=True).backward()
+    got = torch.cat([g.flatten() for g in opt._master_grads()])
+    assert torch.allclose(got, torch.cat([t.flatten() for t in expected]), rtol=1e-6, atol=1e-7)
+
+
+class ExternalInputs(torch.nn.Module):
+    """Each block gets, besides the hidden state, a tensor its parent makes in fp32 inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Mix() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = torch.linspace(-0.1, 0.1, x.shape[-1])  # fp32, whatever the model's dtype
+        for block in self.blocks:
+            x = block(x, bias)
+        return x.float().square().mean()
+
+
+class Mix(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) + bias)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bf16_casts_the_inputs_of_every_unit(stage, checkpointing):
+    """Peers: FSDP2 ``test_submodules_with_external_inputs``, ``test_checkpoint_recompute_casts_forward_inputs``."""
+    reference = ExternalInputs()
+    model = ExternalInputs()
+    policy = {"activation_checkpointing": {}} if checkpointing else {}
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage,
+                        precision={"param_dtype": "bf16"}, **policy)
+    for step in range(3):
+        loss = model(batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(batch(step))
+        ref_loss.backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())

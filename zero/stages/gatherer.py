@@ -214,6 +214,8 @@ class ParamGatherer:
 
     def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         unit = self.units[index]
+        if _in_functorch():
+            raise RuntimeError(_NO_FUNCTORCH)
         checking = torch.is_grad_enabled() and not _in_backward()
         self._checking.append(checking)  # (first: _forward_done pops it even if this hook fails)
         if checking:
@@ -357,6 +359,19 @@ class ParamGatherer:
         root = [unit for unit in self.units if unit.is_root and unit.state is not UnitState.SHARDED]
         self.reshard_all(keep=root)
         self._previous_backward, self._backward_order = self._backward_order, []
+
+
+_NO_FUNCTORCH = (
+    "zero: a torch.func transform (grad, vjp, jacrev, vmap, ...) ran a stage-3 model: its backward does not pass "
+    "through the hooks that gather each unit's parameters, so it would read released ones. Use stage 0, 1 or 2 "
+    "(parameters are whole there, and torch.func works), or load `model.state_dict()` taken inside "
+    "`opt.gathered_parameters()` into a plain copy of the model and apply torch.func to that copy."
+)
+
+
+def _in_functorch() -> bool:
+    """Whether a ``torch.func`` transform is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _in_backward() -> bool:

@@ -151,7 +151,7 @@ class GradReducer:
             if slot.has_grad:
                 self.stage.clear_grad(bucket, slot)
                 slot.used_here = slot.used_anywhere = False
-                slot.local_grad = None
+                slot.local_grad = slot.wide_grad = None
         elif grad is slot.grad_guard:
             if grad._zero_cleared:
                 self.stage.clear_grad(bucket, slot)
@@ -188,6 +188,7 @@ class GradReducer:
         if not self.sync_enabled:
             if self.state is not GradState.REDUCING:
                 self._to(GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
+            _widen(slot)
             return
         if self.state is not GradState.REDUCING:
             self._open_round()
@@ -307,6 +308,7 @@ class GradReducer:
         for slot in self.slots:
             slot.used_here = False
             slot.used_anywhere = False
+            slot.wide_grad = None
 
     def zero(self) -> None:
         """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it
@@ -319,5 +321,23 @@ class GradReducer:
         if self.state is not GradState.EMPTY:
             for bucket in self.buckets:
                 self.stage.zero_grad(bucket, set_to_none=False)
+        for slot in self.slots:
+            slot.wide_grad = None
         if self.scaler is not None:
             self.scaler.reset()
+
+
+def _widen(slot: ParamSlot) -> None:
+    """Under ``no_sync()``, when the reduce dtype is wider than the parameters' (bf16 parameters, fp32
+    reduction): move the pass's gradient into an accumulator in the reduce dtype, so that micro-batches add
+    up in it (as FSDP2 does) rather than in bf16; the reduction adds it in (``StagedReduction.collect``).
+    ``p.grad`` stays, zeroed in place, for autograd to accumulate the next pass into (``0 + g`` is exact)."""
+    dtypes = slot.bucket.dtypes
+    grad = slot.param.grad
+    if grad is None or dtypes.reduce.itemsize <= dtypes.compute.itemsize:
+        return
+    if slot.wide_grad is None:
+        slot.wide_grad = grad.to(dtypes.reduce)
+    else:
+        slot.wide_grad.add_(grad)
+    grad.zero_()

@@ -67,6 +67,9 @@ class StagedReduction:
                 view.zero_()
             else:
                 view.copy_(grad)
+            if slot.wide_grad is not None:  # accumulated under no_sync() in the reduce dtype
+                view.add_(slot.wide_grad)
+                slot.wide_grad = None
             self.release_local(bucket, slot)
         return bucket.staging.data
 
