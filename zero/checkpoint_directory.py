@@ -29,15 +29,18 @@ would write step N+k's state under a name the user gave step N.)
 
 What a crash after each step leaves, and what :func:`resolve` (every load) reads:
 
-==================  ===============================================  =================================
-crash after step    on disk                                          loading ``PATH`` reads
-==================  ===============================================  =================================
-1 (parts written)   ``PATH`` (old, if any), unfinished ``.partial``  the old checkpoint (or: refused,
-                                                                     naming the unfinished save)
-2                   ``PATH`` (old), complete ``.partial``            the old checkpoint
-3                   ``.replaced`` (old), complete ``.partial``       the new one, in ``PATH.partial``
-4                   ``PATH`` (new, with the marker), ``.replaced``   the new checkpoint
-==================  ===============================================  =================================
+=====================  ================================================  ==============================
+a crash                on disk                                           loading ``PATH`` reads
+=====================  ================================================  ==============================
+before step 2 is done  ``PATH`` (old, if any), unfinished ``.partial``   the old checkpoint (none:
+                                                                         refused, naming the
+                                                                         unfinished save)
+after step 2           ``PATH`` (old, if any), complete ``.partial``     the old checkpoint (none: the
+                                                                         new one, in ``PATH.partial``)
+after step 3           ``.replaced`` (old), complete ``.partial``        the new one, in
+                                                                         ``PATH.partial``
+after step 4           ``PATH`` (new, with the marker), ``.replaced``    the new checkpoint
+=====================  ================================================  ==============================
 
 The next save of ``PATH`` first finishes or clears that state with :func:`prepare`: a complete
 ``PATH.partial`` whose rename never happened is renamed into place (after step 3, or after 2 when

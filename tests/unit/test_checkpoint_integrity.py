@@ -365,6 +365,35 @@ def test_a_crash_at_any_step_leaves_the_previous_or_the_new_checkpoint(tmp_path,
     print(f"{len(outcomes)} crash points: {''.join(outcomes)}")
 
 
+def test_a_crash_in_the_first_save_leaves_nothing_or_the_complete_save(tmp_path, monkeypatch):
+    """No checkpoint before: until the metadata is written loading is refused naming the unfinished save, then it
+    reads the complete save (from ``PATH.partial`` until the rename); the next save clears or publishes it."""
+    outcomes = []
+    for k in range(100):
+        path = tmp_path / f"k{k}" / "ckpt"
+        model, opt = tiny()
+        with crash_at(monkeypatch, k):
+            try:
+                zero.save_checkpoint(path, model, opt, progress=False)
+                finished = True
+            except Crash:
+                finished = False
+        try:
+            outcomes.append("B" if same(loaded(path), weights(model, opt)) else "?")
+        except ValueError as err:
+            assert "ckpt.partial holds a save of it that was never finished" in str(err), str(err)
+            outcomes.append("-")
+        except FileNotFoundError:
+            outcomes.append("-")
+        complete = path.exists() or (path.with_name("ckpt.partial") / METADATA).is_file()
+        assert (outcomes[-1] == "B") == complete, (k, outcomes)
+        zero.save_checkpoint(path, *tiny(seed=7), progress=False)
+        assert leftovers(path.parent) == []
+        if finished:
+            break
+    assert finished and outcomes == sorted(outcomes, key="-B".index) and "?" not in outcomes, outcomes
+
+
 def test_a_second_crash_after_a_crash_between_the_renames_loses_nothing(tmp_path, monkeypatch):
     """Item 6: a save stopped between its renames (``PATH`` missing, the complete save in ``PATH.partial``), then
     another save stopped at each step: loading always gives the first save's or the second's tensors."""
