@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.offload import Placement, check_host_memory, warn_unfused_host_step
 from zero.ownership import check_model, claim_parameters, managed_elsewhere
+from zero.release import ModelRelease, take_back_orphans
 from zero.partition import build_partition
 from zero.precision import (
     DTYPES,
@@ -103,6 +105,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device=_model_device(model, device),
             force_collectives=self.config.force_collectives,
         )
+        take_back_orphans(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.release)
         precision = self.config.precision
         check_device_supports(precision, self.comm.device)
         self.zero_stage = make_stage(self.config.stage, precision)
@@ -174,13 +177,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             check=weak_hook(self._before_backward),
             scaler=self.loss_scaler,
         )
+        hooks = self._reducer.hooks + (self._gatherer.hooks if self._gatherer is not None else [])
         if precision.enabled and precision.cast_forward_inputs:
-            model.register_forward_pre_hook(weak_hook(self._cast_forward_inputs), with_kwargs=True)
+            hooks.append(model.register_forward_pre_hook(weak_hook(self._cast_forward_inputs), with_kwargs=True))
             cast = UnitInputCast(DTYPES[precision.param_dtype])
-            for module in self._unit_modules():
-                module.register_forward_pre_hook(cast, with_kwargs=True)
+            hooks += [module.register_forward_pre_hook(cast, with_kwargs=True) for module in self._unit_modules()]
         first_forward = torch.compiler.disable(weak_hook(self._before_first_forward))  # (it reads the call stack)
         self._first_forward_hook = model.register_forward_pre_hook(first_forward)
+        hooks.append(self._first_forward_hook)
+        sharded = list(self.buckets) if self._gatherer is not None else []
+        self._release = ModelRelease(hooks, self.buckets, sharded, self.zero_stage, self.comm)
+        finalizer = weakref.finalize(self, self._release.dropped)
+        finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
         self.comm.stats.end_step()  # construction traffic is not a step's
 
     # ----- properties -------------------------------------------------------------------------------------
@@ -232,6 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm (same on every rank); with
         no gradient since :meth:`zero_grad` the norm is 0, as torch's.
         """
+        self._check_open()
         self._reducer.take_back()
         self._check_model()
         if self._reducer.state is GradState.EMPTY:  # the same on every rank: a backward pass is collective
@@ -262,6 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :meth:`zero_grad` (no backward pass), nothing is updated, as torch's optimizers skip parameters
         without a gradient.
         """
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -322,6 +332,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._share_masters(buckets)
         delayed.remember(buckets)
 
+    def close(self) -> None:
+        """Give the model back: remove every hook this optimizer put on it, drop gradients that no rank holds
+        whole (stages 1-3: ``p.grad`` becomes ``None``) and, at stage 3, gather every parameter into a whole
+        ``nn.Parameter`` of its own (a collective: call it on every rank). The model can then be trained
+        plainly or wrapped by a new ``ZeroOptimizer``; this one can no longer be used."""
+        self.flush()
+        if self._gatherer is not None:
+            self._gatherer.reshard_all()
+        self._release.close()
+
+    def _check_open(self) -> None:
+        if self._release.done:
+            raise ValueError("this ZeroOptimizer was closed (close()); build a new one over the model to train it")
+
     @contextmanager
     def gathered_parameters(
         self,
@@ -339,6 +363,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Call it on every rank, with the same targets, outside forward and backward. At stages
         0-2 parameters are always whole and only ``modifier_rank`` has an effect.
         """
+        self._check_open()
         self._reducer.settle()
         self.flush()
         if self._reducer.state is GradState.REDUCING or (self._gatherer is not None and self._gatherer.in_forward):
@@ -369,6 +394,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient until the next backward, as in PyTorch; stages 0-1 keep their gradient
         buckets allocated (zeroed), as DDP does, while stages 2-3 release their gradient shards.
         ``model.zero_grad()`` is equivalent (the optimizer sees it at the next backward or step)."""
+        self._check_open()
         if set_to_none:
             self._reducer.clear()
         else:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zero.wrappers import refuse_if_ddp_is_building
+
 # Attribute getters and methods that only read metadata (or hooks): allowed while sharded.
 METADATA = frozenset(
     {
@@ -97,6 +99,14 @@ def _refuse(param: ZeroParameter, func) -> None:
     name = name_of(func)
     if name in METADATA:
         return
+    refuse_if_ddp_is_building()
+    if "_zero_orphan" in param.__dict__:
+        raise RuntimeError(
+            f"zero: parameter {param._zero_name!r} is still sharded across ranks (stage 3): the ZeroOptimizer that "
+            "sharded it was dropped without close(), and gathering needs every rank at once. Build a new "
+            "ZeroOptimizer over the model (it gathers it first), or call opt.close() on every rank before dropping "
+            "an optimizer to get the model back whole."
+        )
     raise RuntimeError(
         f"zero: parameter {param._zero_name!r} is sharded across ranks (stage 3) and was used outside its "
         f"unit's forward/backward (in {name or func}). Its values exist only as 1/N shards between uses. To "
@@ -117,12 +127,7 @@ def cast_after_wrapping(name: str) -> str:
 
 def make_sharded(param: nn.Parameter, name: str) -> ZeroParameter:
     """Turn ``param`` (the same object) into a :class:`ZeroParameter`; it starts gathered."""
-    if type(param) is ZeroParameter:
-        raise ValueError(
-            f"parameter {name!r} was sharded by a stage-3 ZeroOptimizer, which keeps it sharded for good (also "
-            "after that optimizer is dropped); a parameter can belong to one ZeroOptimizer only. Give each "
-            "optimizer a disjoint set of parameters, or build the model anew."
-        )
+    assert type(param) is not ZeroParameter, f"{name} is sharded already"  # (claim_parameters refuses that)
     if type(param) is not nn.Parameter:
         raise ValueError(
             f"parameter {name!r} is a {type(param).__name__}; stage 3 manages plain torch.nn.Parameter objects"

@@ -240,3 +240,55 @@ def test_bf16_casts_the_inputs_of_every_unit(stage, checkpointing):
                 p -= 0.1 * p.grad
                 p.grad = None
         assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+
+
+def _rewrapped(first: int | None, second: int | None, close: bool) -> torch.Tensor:
+    """Two steps under one optimizer, then the optimizer is closed or dropped and a new one (fresh state)
+    trains two more steps; ``None`` is plain torch."""
+    model = Net()
+    for stage in (first, second):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if stage is not None:
+            opt = ZeroOptimizer(opt, model, stage=stage)
+        for step in range(2):
+            model(batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        if close and stage is not None:
+            opt.close()
+        del opt
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("close", [True, False], ids=["close", "del"])
+def test_a_model_is_given_back_whole_and_can_be_wrapped_again(stage, close):
+    """Peer: DeepSpeed ``test_zero_optimizer.py::test_load_immediate_save`` (a model wrapped a second time)."""
+    reference = _rewrapped(None, None, close)
+    for second in (None, stage, 3 if stage != 3 else 0):
+        assert torch.equal(_rewrapped(stage, second, close), reference), second
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_close_removes_every_hook_and_refuses_further_use(stage):
+    model = Net()
+    hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    before = hooks()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage, precision={"param_dtype": "bf16"})
+    model(batch(0)).backward()
+    opt.step()
+    opt.close()
+    assert hooks() == before
+    assert all(type(p) is torch.nn.Parameter and p.grad is None or stage == 0 for p in model.parameters())
+    model(batch(1).bfloat16()).backward()  # plain autograd on the bf16 model now: no hook of ours runs
+    assert all(p.grad is not None for p in model.blocks.parameters())
+    for use in (opt.step, opt.zero_grad, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(ValueError, match="was closed"):
+            use()
+
+
+def test_a_second_optimizer_over_parameters_of_a_live_one_is_refused_at_stage_3():
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)  # noqa: F841 (alive)
+    with pytest.raises(ValueError, match="already managed by another ZeroOptimizer"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)

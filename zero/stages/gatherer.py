@@ -130,20 +130,20 @@ class ParamGatherer:
         self._fingerprint = 0
         self._saved_check = SavedParamCheck(weak_hook(self._units_of_storage))
         self._checking: list[bool] = []  # per unit forward running: whether it installed the saved-tensor check
-        self._hooks = []
+        self.hooks = []
         for unit in self.units:
             # Under torch.compile the hooks run eagerly (a graph break each): they gather, release and
             # prefetch, which dynamo cannot trace; the unit's forward between them compiles as usual.
             pre = torch.compiler.disable(weak_hook(self._pre_forward, unit.index))
             post = torch.compiler.disable(weak_hook(self._post_forward, unit.index))
-            self._hooks.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._hooks.append(unit.module.register_forward_hook(post))
+            self.hooks.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.hooks.append(unit.module.register_forward_hook(post))
             done = torch.compiler.disable(weak_hook(self._forward_done))
-            self._hooks.append(unit.module.register_forward_hook(done, always_call=True))
+            self.hooks.append(unit.module.register_forward_hook(done, always_call=True))
             for bucket in unit.buckets:
                 for slot in bucket.slots if bucket.trainable else []:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
-                    self._hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+                    self.hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
 
     # ----- unshard / reshard ------------------------------------------------------------------------

@@ -103,10 +103,10 @@ class GradReducer:
         self._pending: list[ParamSlot] = []  # ready, not yet handed to the stage
         self._next = 0  # index of the next bucket to launch
         self._in_flight: deque[tuple[Bucket, Handle]] = deque()
-        self._hooks = []
+        self.hooks = []
         for i, slot in enumerate(self.slots):
-            self._hooks.append(slot.param.register_hook(weak_hook(self._before_grad, i)))
-            self._hooks.append(slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i)))
+            self.hooks.append(slot.param.register_hook(weak_hook(self._before_grad, i)))
+            self.hooks.append(slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i)))
 
     def _to(self, new: GradState, *allowed: GradState) -> None:
         assert self.state in allowed, f"gradient state {self.state.value} -> {new.value}"
