@@ -165,6 +165,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 prefetch=self.config.prefetch_units,
             )
         self._grads_prepared = False  # the optimizer's gradients of this step are made (see _master_grads)
+        self._steps = 0  # step() calls so far (compared across ranks at each gradient reduction)
         scaling = precision.scaling
         self.loss_scaler = LossScaler(scaling, self.comm.device) if scaling is not None else None
         fingerprint = self._gatherer.take_fingerprint if self._gatherer is not None else None
@@ -175,6 +176,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.config.max_in_flight_buckets,
             fingerprint,
             check=weak_hook(self._before_backward),
+            steps=weak_hook(self._steps_taken),
             scaler=self.loss_scaler,
         )
         hooks = self._reducer.hooks + (self._gatherer.hooks if self._gatherer is not None else [])
@@ -282,6 +284,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._gatherer.reshard_all()
         if self._reducer.state is GradState.EMPTY:  # the same on every rank: a backward pass is collective
             self.flush()
+            self._steps += 1
             self.comm.end_step()
             return loss
         self._reducer.require_reduced("step()")
@@ -308,6 +311,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._wait_all(handles)
         if self.loss_scaler is not None:
             self.loss_scaler.update()
+        self._steps += 1
         self.comm.end_step()
         return loss
 
@@ -341,6 +345,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._gatherer is not None:
             self._gatherer.reshard_all()
         self._release.close()
+
+    def _steps_taken(self) -> int:
+        return self._steps
 
     def _check_open(self) -> None:
         if self._release.done:

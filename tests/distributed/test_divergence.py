@@ -68,3 +68,32 @@ def test_a_rank_that_skips_a_unit_warns_at_once_and_nobody_hangs(tmp_path):
             assert outcome["ok"]["seconds"] < 3 + 5, outcome
         else:  # aborted by gloo (a collective of another size): loud, and not a hang
             assert outcome.get("exitcode") not in (None, 0), outcome
+
+
+def _rank_one_skips_a_step(rank: int, world_size: int) -> dict[str, str]:
+    """Stage 0 (plain data parallelism, in full and mixed precision): rank 1 skips step() once; the next
+    backward's reduction must say so on every rank. (At stages 1-3 a skipped step leaves the step's parameter
+    all-gather unmatched: the next collective fails or times out, as the test above shows for a skipped unit.)"""
+    errors = {}
+    for name, precision in (("fp32", {}), ("bf16", {"param_dtype": "bf16"})):
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=0, precision=precision)
+        errors[name] = "no error"
+        try:
+            for step in range(3):
+                model(torch.randn(4, 8), False).backward()
+                if not (rank == 1 and step == 1):
+                    opt.step()
+                opt.zero_grad()
+        except RuntimeError as err:
+            errors[name] = str(err)
+        opt.close()
+    return errors
+
+
+def test_a_rank_that_skips_step_is_detected_at_stage_0():
+    """Issue 24 item 9: DDP (and stage 0 before) let ranks drift apart silently when one skips step()."""
+    for outcome in run_world_outcomes(_rank_one_skips_a_step, 2, timeout_s=120):
+        for name, error in outcome["ok"].items():
+            assert "ranks have taken different numbers of optimizer steps" in error, (name, error)

@@ -61,6 +61,9 @@ from zero.stages.stage0 import Stage0
 from zero.weak import weak_hook
 
 
+_AGREE_MOD = 2**31 - 1  # values compared across ranks ride in int32 flags
+
+
 class GradState(enum.Enum):
     EMPTY = "empty"  # no gradient since zero_grad()
     ACCUMULATING = "accumulating"  # local gradients from no_sync() passes, not reduced yet
@@ -86,6 +89,7 @@ class GradReducer:
         max_in_flight: int,
         fingerprint: Callable[[], int] | None = None,
         check: Callable[[], None] | None = None,
+        steps: Callable[[], int] | None = None,
         scaler: LossScaler | None = None,
     ):
         self.buckets = buckets  # launch order
@@ -95,6 +99,7 @@ class GradReducer:
         self.max_in_flight = max_in_flight
         self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
         self.check = check  # run as each pass starts (the model still uses the managed parameters)
+        self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
         self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
         self.sync_enabled = True  # False inside no_sync()
         self.state = GradState.EMPTY
@@ -260,9 +265,11 @@ class GradReducer:
                     self.stage.stage_grad(bucket, slot)
             self._launch(bucket)
         local = [int(slot.used_here) for slot in self.slots]
+        steps = self.steps() % _AGREE_MOD if self.steps is not None else 0
+        local += [steps, -steps]  # MAX of both: equal to (v, -v) only if every rank had v
         if self.fingerprint is not None:
             value = self.fingerprint()
-            local += [value, -value]  # MAX of both: equal to (value, -value) only if every rank had value
+            local += [value, -value]
         flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         if self.scaler is not None:  # last: whether any rank's local gradients overflowed
             flags = torch.cat([flags, self.scaler.local_flag()])
@@ -275,6 +282,14 @@ class GradReducer:
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
         self._to(GradState.REDUCED, GradState.REDUCING)
+        at = len(self.slots)
+        if agreed[at] != -agreed[at + 1]:
+            self.clear()
+            raise RuntimeError(
+                f"zero: ranks have taken different numbers of optimizer steps (this rank: {steps}): a rank skipped "
+                "step() (or took an extra one), e.g. under a condition on its own loss or data, so the ranks' "
+                "models have diverged. Every rank must call step() at the same points."
+            )
         if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
             self.clear()  # step() must not use these gradients
             raise RuntimeError(
