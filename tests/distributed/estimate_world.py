@@ -61,6 +61,13 @@ def _gpt2_first_block_frozen():
     return model
 
 
+def _gpt2_lora():
+    """LoRA adapters (PEFT) on a frozen GPT-2: the base is built on ``meta`` by the estimator (PEFT moves modules)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_gpt2(), LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+
+
 def _tokens(micro: int) -> tuple:
     return (torch.randint(0, VOCAB, (micro, SEQ)),)
 
@@ -75,12 +82,13 @@ MODELS = {
     "hf-gpt2": (_gpt2, _hf_loss, _tokens),
     "hf-llama": (_llama, _hf_loss, _tokens),
     "hf-gpt2-frozen": (_gpt2_first_block_frozen, _hf_loss, _tokens),
+    "hf-gpt2-lora": (_gpt2_lora, _hf_loss, _tokens),
     "cnn": (SmallCNN, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
             lambda micro: (torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,)))),
 }
 
 
-PARTIAL = ("hf-gpt2-frozen",)  # at the first micro-batch only
+PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora")  # at the first micro-batch only
 
 # variants priced on the project's GPT at the first micro-batch, besides fp32 (estimate()'s keyword arguments):
 # both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync()

@@ -85,8 +85,9 @@ class Workload:
         ``checkpointing`` (``True``: every block of its ``nn.ModuleList``, ``ZeroConfig(activation_checkpointing={})``)."""
         key = (precision, policy_key(checkpointing))
         if key not in self._models:
+            with _explained("building the model"):
+                model = self._build_fake()
             with self.mode, _explained("building the model"):
-                model = self.build()
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
                 policy = POLICIES[precision]
@@ -99,6 +100,22 @@ class Workload:
                     checkpoint_activations(model, ActivationCheckpointing.model_validate_json(key[1]))
             self._models[key] = model
         return self._models[key]
+
+    def _build_fake(self) -> Any:
+        """``build()`` on fake tensors. torch cannot move a module built inside ``FakeTensorMode`` (``Module.to()``
+        fails to swap its parameters; PEFT calls it when it adds adapters): such a model is built on ``meta`` and
+        then given fake tensors, one per parameter (ties kept) and buffer."""
+        try:
+            with self.mode:
+                return self.build()
+        except RuntimeError as err:
+            if "Couldn't swap" not in str(err):
+                raise
+        with torch.device("meta"):
+            model = self.build()
+        if isinstance(model, nn.Module):
+            _to_fake(model, self.mode)
+        return model
 
     def timeline(self, micro_batch: int, precision: str = "fp32", checkpointing: Checkpointing = False) -> Timeline:
         """Forward, loss and backward of one micro-batch, live bytes after every operator. Beyond 3, the bytes at
@@ -225,6 +242,22 @@ class Workload:
                             if isinstance(t, torch.Tensor))
             self._steps[key] = StepTrace(state / sum(pieces), _largest(adopting), _largest(updating))
         return self._steps[key]
+
+
+def _to_fake(model: nn.Module, mode: Any) -> None:
+    """Replace every meta parameter and buffer of ``model`` by a fake CPU tensor of its shape (a parameter held
+    by several modules stays one object)."""
+    made: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in made:
+                        fake = torch.empty_like(t, device="cpu")
+                        made[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    table[name] = made[id(t)]
 
 
 def _largest(recorder: Recorder) -> int:
