@@ -91,8 +91,10 @@ MODELS = {
 PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora")  # at the first micro-batch only
 
 # variants priced on the project's GPT at the first micro-batch, besides fp32 (estimate()'s keyword arguments):
-# both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync()
-VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkpointing": True}, {"no_sync": True})
+# both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync() (also
+# under mixed precision with an fp32 reduction, where it accumulates in fp32)
+VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkpointing": True}, {"no_sync": True},
+            {"precision": "mixed-fp32-reduce", "no_sync": True})  # (bf16 micro-batches accumulate in fp32)
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"}, "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
 

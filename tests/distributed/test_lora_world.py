@@ -23,8 +23,8 @@
   2 accumulation micro-batches per step: logged losses and grad norms within ``RTOL``, adapters within ``RTOL``,
   the frozen base unchanged.
 
-Reentrant checkpointing the PEFT way is refused at every stage today (the first gradient comes from inside the last
-checkpointed block when the head is frozen): its cases are strict xfails until zero supports it.
+Reentrant checkpointing the PEFT way is covered too: with the head frozen, the first gradient of backward comes from
+inside the last checkpointed block (a nested backward that ends before the outer one).
 
 World size 2 runs every case and the Trainer; world sizes 1 and 3 run every stage in fp32 and each composition at
 stage 3 (at one rank also every stage in bf16) by default, everything with ``-m slow``.
@@ -55,17 +55,7 @@ WORLDS = [
     pytest.param((1, "full"), id="world1-full", marks=pytest.mark.slow),
     pytest.param((3, "full"), id="world3-full", marks=pytest.mark.slow),
 ]
-REENTRANT = pytest.mark.xfail(strict=True, reason=(
-    "issue 23: reentrant checkpointing the PEFT way (gradient_checkpointing_enable(use_reentrant=True) with "
-    "enable_input_require_grads()) is refused at every stage, 'a backward pass ended inside another one': with the "
-    "head frozen, the first gradient of backward comes from inside the last checkpointed block"))
-
-
-def _params(keys: list[str]) -> list:
-    return [pytest.param(k, marks=REENTRANT) if CASES[k].checkpointing == "peft-reentrant" else k for k in keys]
-
-
-FP32 = _params([k for k, c in CASES.items() if c.precision is None])
+FP32 = [k for k, c in CASES.items() if c.precision is None]
 BF16 = [k for k, c in CASES.items() if c.precision == "bf16"]
 UNCHANGED_BY = {  # a case -> the case it must equal bit for bit
     k: f"{'bf16' if c.precision else 'fp32'}-stage{c.stage}" for k, c in CASES.items()
@@ -168,7 +158,7 @@ def test_bf16_equals_the_hand_built_recipe(lora, refs, kind, key):
     assert all(v.dtype == torch.bfloat16 for v in run["frozen"].values())
 
 
-@pytest.mark.parametrize("key", _params(sorted(UNCHANGED_BY)))
+@pytest.mark.parametrize("key", sorted(UNCHANGED_BY))
 @pytest.mark.parametrize("kind", MODELS)
 def test_offload_and_checkpointing_change_no_number(lora, kind, key):
     run = _run(lora, (kind, key))

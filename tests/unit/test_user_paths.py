@@ -259,13 +259,12 @@ def test_activation_checkpointing(stage, reentrant):
     same_as_pytorch(stage, lambda: CheckpointedNet(reentrant), lambda m, o, s: m(batch(s), s % 2 == 1).backward())
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_reentrant_checkpointing_around_the_first_gradients_is_refused(stage):
-    model = CheckpointedNet(reentrant=True, first_grad_inside=True)
-    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
-    assert opt.zero_stage.number == stage
-    with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        model(batch(0)).backward()
+@pytest.mark.parametrize("stage", STAGES)
+def test_reentrant_checkpointing_around_the_first_gradients(stage):
+    """The first gradients come from inside a reentrant checkpoint (a nested backward that ends first): the pass
+    ends with the outer one (PEFT's prepare_model_for_kbit_training checkpoints so under a frozen head)."""
+    same_as_pytorch(stage, lambda: CheckpointedNet(True, first_grad_inside=True),
+                    lambda m, o, s: m(batch(s), s % 2 == 1).backward())
 
 
 @pytest.mark.parametrize("stage", STAGES)

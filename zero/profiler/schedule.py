@@ -267,15 +267,18 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
               point.phase, point.module, event or _describe(point))
 
     accumulated = sum(timeline.grad_bytes.values())  # under no_sync(): whole in p.grad when this pass starts
+    # ... and, when the reduce dtype is wider (bf16 parameters, fp32 reduction), also in an accumulator of that dtype
+    wide = _widening(layout) if options.no_sync else 0.0
 
     def grads_now(point: Point) -> float:
         fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0  # while it is added in
         if reduction is None:  # persistent buckets
             return layout.grad_buffer + fresh
+        pending = accumulated - reduction.released  # accumulated gradients of buckets not launched yet
         if layout.stage < 2:
-            local = layout.grad_buffer
+            local = layout.grad_buffer + pending * wide
         elif options.no_sync:
-            local = accumulated - reduction.released + fresh
+            local = pending * (1 + wide) + fresh
         else:
             local = point.gradients - reduction.released
         return local + reduction.shards
@@ -306,6 +309,14 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
     return best
+
+
+def _widening(layout: Layout) -> float:
+    """Bytes of the reduce-dtype accumulator per byte of gradient under ``no_sync()``: its itemsize over the
+    parameters' when the reduce dtype is wider (``zero.stages.reducer._widen``), else 0."""
+    trainable = [b for b in layout.buckets if b.params]
+    ratio = sum(b.staging for b in trainable) / max(1, sum(b.whole for b in trainable)) if layout.staged else 0.0
+    return ratio if ratio > 1 else 0.0
 
 
 def _gathering(timeline: Timeline, layout: Layout, options: Options) -> _Gathering:

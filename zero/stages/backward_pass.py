@@ -8,6 +8,12 @@ keeps only a weak reference to it. The engine holds the callback until it runs, 
 when the task dies with an error, so "the callback is still alive" means "the pass is still
 running" (a new id then means a nested backward), and "begun but not ended, callback gone"
 means it was interrupted.
+
+A pass whose first hook ran inside a nested backward (reentrant checkpointing of a block whose
+outputs get the first gradients, e.g. under a frozen head) has its callback queued on the nested
+task, which ends first: the callback then hooks the outer node it ran in, whose hook queues it
+again on the outer task, so the pass ends with the outermost one. The hook holds the callback,
+so the pass stays running in between.
 """
 
 from __future__ import annotations
@@ -16,13 +22,6 @@ import weakref
 from typing import Callable
 
 import torch
-
-_NESTED_END = (
-    "zero: a backward pass ended inside another one: the first gradient of this backward pass came from "
-    "inside reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True), whose inner "
-    "backward ends before the outer one, so the gradients would be reduced before they are complete. Use "
-    "torch.utils.checkpoint(..., use_reentrant=False)."
-)
 
 
 class BackwardPass:
@@ -46,13 +45,16 @@ class BackwardPass:
         """Start a pass in the current graph task; ``on_end()`` runs when autograd finishes it."""
 
         def end() -> None:
+            outer = torch._C._current_autograd_node()
+            if outer is not None:  # a nested pass ended inside a node of an outer one: end with the outer pass
+                outer.register_hook(lambda grad_inputs, grad_outputs: engine.queue_callback(end))
+                return
             self._open, self._end = False, None
-            if torch._C._current_autograd_node() is not None:  # still inside an outer pass's node
-                raise RuntimeError(_NESTED_END)
             on_end()
 
+        engine = torch.autograd.Variable._execution_engine
         self._open, self._end = True, weakref.ref(end)
-        torch.autograd.Variable._execution_engine.queue_callback(end)
+        engine.queue_callback(end)
 
     def forget(self) -> None:
         """Drop an interrupted pass."""
