@@ -7,10 +7,14 @@ import sys
 
 import zero
 from zero import demo
+from zero.cli_types import SIZE_HELP, memory_size
 from zero.consolidate import consolidate
 from zero.models import gpt_config
 from zero.precision import DTYPES
 from zero.profiler import estimate_cli, report_cli
+from zero.sizes import KiB, TiB, size_range
+
+SHARD_SIZES = (KiB, TiB)  # --max-shard-size's accepted range (inclusive)
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,16 +63,20 @@ def _consolidate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating-point tensors (default: as saved)")
     parser.add_argument(
-        "--max-shard-size", type=estimate_cli.memory_size, default="5GB", metavar="SIZE",
-        help=f"largest safetensors file in a directory export (default 5GB; {estimate_cli.SIZE_HELP})",
+        "--max-shard-size", type=memory_size(*SHARD_SIZES), default="5GB", metavar="SIZE",
+        help=f"largest safetensors file in a directory export, {size_range(*SHARD_SIZES)} (default 5GB; {SIZE_HELP})",
     )
 
 
 def _consolidate(args: argparse.Namespace) -> int:
     try:
         consolidate(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
-    except (ValueError, FileNotFoundError) as err:
+    except ValueError as err:  # a checkpoint it cannot export: the library's message names the cause
         print(f"zero consolidate: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a path it cannot read or write (no such file, not a directory, permissions, disk full)
+        where = f"{err.filename}: " if err.filename is not None else ""
+        print(f"zero consolidate: {where}{err.strerror or err}", file=sys.stderr)
         return 2
     return 0
 

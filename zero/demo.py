@@ -12,40 +12,48 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from zero.cli_types import real_number, real_number_range, whole_number, whole_number_range
 from zero.memory import zero_model_state_bytes
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
+from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import profile
-from zero.profiler.report_cli import launch_ranks
+from zero.profiler.report_cli import CPU_RANKS, check_host_memory, launch_ranks
+
+
+# the accepted ranges (inclusive; the learning rate's excludes 0)
+STEPS = (1, 100_000)
+BATCHES = (0, 2**16)
+LEARNING_RATES = (0.0, 1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=positive_int, default=2, help="CPU ranks to launch (default 2)")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
-                        help="ZeRO stages to train, in this order (default 0 1 2 3)")
-    parser.add_argument("--steps", type=positive_int, default=30, help="training steps per stage (default 30)")
+    parser.add_argument("--world-size", type=whole_number(*CPU_RANKS), default=2,
+                        help=f"CPU ranks to launch, {whole_number_range(*CPU_RANKS)} (default 2)")
+    parser.add_argument("--stages", type=whole_number(0, 3), nargs="+", default=[0, 1, 2, 3], metavar="STAGE",
+                        help=f"ZeRO stages to train, each {whole_number_range(0, 3)}, in this order (default 0 1 2 3)")
+    parser.add_argument("--steps", type=whole_number(*STEPS), default=30,
+                        help=f"training steps per stage, {whole_number_range(*STEPS)} (default 30)")
     add_gpt_arguments(parser, vocab=512, seq_len=64, d_model=128, layers=2, heads=4)
-    parser.add_argument("--batch", type=int, default=0,
-                        help="global batch, a multiple of --world-size (default: 4 per rank)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--batch", type=whole_number(*BATCHES), default=0,
+                        help=f"global batch, {whole_number_range(*BATCHES)}: a multiple of --world-size, or 0 "
+                        "(the default) for 4 per rank")
+    parser.add_argument("--lr", type=real_number(*LEARNING_RATES), default=3e-3,
+                        help=f"AdamW learning rate, {real_number_range(*LEARNING_RATES)} (default 3e-3)")
 
 
 def check(args: argparse.Namespace) -> None:
     """What argparse cannot check alone (``ValueError``: the command line's error message)."""
-    gpt_config(args)
+    check_host_memory(gpt_config(args))
     world = int(os.environ.get("WORLD_SIZE", args.world_size)) if "RANK" in os.environ else args.world_size
-    if args.batch < 0 or args.batch % world:
-        raise ValueError(f"--batch ({args.batch}) must be a positive multiple of the world size ({world}), "
+    if args.batch % world:
+        raise ValueError(f"--batch ({args.batch}) must be a multiple of the world size ({world}), "
                          "or 0 for 4 per rank")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
 
 
 def main(args: argparse.Namespace) -> int:

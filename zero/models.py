@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zero.cli_types import whole_number, whole_number_range
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -24,31 +26,22 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number >= 1 (a one-line usage error otherwise, never a traceback)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_gpt_arguments(
     parser: argparse.ArgumentParser, *, vocab: int, seq_len: int, d_model: int, layers: int, heads: int
 ) -> None:
-    """The ``--vocab --seq-len --d-model --layers --heads`` options, with the caller's defaults; every one
-    must be >= 1, and :func:`gpt_config` checks that ``--d-model`` is a multiple of ``--heads``."""
-    parser.add_argument("--vocab", type=positive_int, default=vocab, help=f"vocabulary size (default {vocab})")
-    parser.add_argument("--seq-len", type=positive_int, default=seq_len,
-                        help=f"tokens per sequence (default {seq_len})")
-    parser.add_argument("--d-model", type=positive_int, default=d_model,
-                        help=f"model width, a multiple of --heads (default {d_model})")
-    parser.add_argument("--layers", type=positive_int, default=layers,
-                        help=f"transformer blocks (default {layers})")
-    parser.add_argument("--heads", type=positive_int, default=heads,
-                        help=f"attention heads; must divide --d-model (default {heads})")
+    """The ``--vocab --seq-len --d-model --layers --heads`` options, with the caller's defaults and the ranges
+    below (a model beyond them is a typo, not a plan); :func:`gpt_config` checks that ``--d-model`` is a
+    multiple of ``--heads``."""
+    options = (
+        ("--vocab", vocab, (1, 2**22), "vocabulary size"),
+        ("--seq-len", seq_len, (1, 2**21), "tokens per sequence"),
+        ("--d-model", d_model, (1, 2**16), "model width, a multiple of --heads"),
+        ("--layers", layers, (1, 1024), "transformer blocks"),
+        ("--heads", heads, (1, 1024), "attention heads; must divide --d-model"),
+    )
+    for flag, default, (low, high), what in options:
+        parser.add_argument(flag, type=whole_number(low, high), default=default,
+                            help=f"{what}, {whole_number_range(low, high)} (default {default})")
 
 
 def gpt_config(args: argparse.Namespace) -> GPTConfig:

@@ -15,6 +15,8 @@ import torch
 import zero
 from zero import ZeroConfig, ZeroOptimizer
 from zero.cli import build_parser, main
+from zero.cli_types import memory_size
+from zero.sizes import format_bytes, format_count
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.precision import MixedPrecision
 from zero.profiler import estimate_cli, report_cli
@@ -109,22 +111,26 @@ def test_the_plot_extra_is_declared_and_documented_where_plot_is():
     ],
 )
 def test_memory_sizes_a_bare_number_is_gib(text, expected):
-    assert estimate_cli.memory_size(text) == expected
+    assert memory_size(1, 2**50)(text) == expected
 
 
 @pytest.mark.parametrize("text", ["24 parsecs", "", "GiB", "-1", "1e3", "inf", "nan", "24GiBs", "2 4"])
 def test_memory_size_refuses_nonsense(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="not a memory size"):
-        estimate_cli.memory_size(text)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected a size from 1 B to 1024 TiB \(a bare number"):
+        memory_size(1, 2**50)(text)
+
+
+GPU_MEMORY_RANGE = "expected a size from 1 MiB to 16 TiB (a bare number is GiB; or give a unit: 24GiB, 80G (= GiB), " \
+    "80GB (10^9 bytes), 512MiB)"
 
 
 def test_estimate_takes_gib_and_refuses_nonsense_in_one_line(capsys):
     assert main(["estimate", "--gpu-memory", "24", "--world-size", "1", *TINY]) == 0
-    assert "budget 21.60 GiB (90% of 24.00 GiB)" in capsys.readouterr().out
+    assert "budget 21.6 GiB (90% of 24 GiB)" in capsys.readouterr().out
     err = _usage_error(capsys, ["estimate", "--gpu-memory", "24 parsecs", *TINY])
-    assert err.startswith("zero estimate: error: argument --gpu-memory: not a memory size: '24 parsecs' (")
+    assert err == f"zero estimate: error: argument --gpu-memory: {GPU_MEMORY_RANGE}, got '24 parsecs'"
     err = _usage_error(capsys, ["estimate", "--gpu-memory", "0GiB", *TINY])
-    assert err == "zero estimate: error: argument --gpu-memory: a memory size must be positive, got '0GiB'"
+    assert err == f"zero estimate: error: argument --gpu-memory: {GPU_MEMORY_RANGE}, got '0GiB'"
 
 
 def test_consolidate_shard_size_takes_the_same_sizes(capsys):
@@ -132,7 +138,8 @@ def test_consolidate_shard_size_takes_the_same_sizes(capsys):
     assert parse(["consolidate", "ckpt", "out"]).max_shard_size == 5 * 10**9  # Hugging Face's 5GB
     assert parse(["consolidate", "ckpt", "out", "--max-shard-size", "2"]).max_shard_size == 2 * GIB
     err = _usage_error(capsys, ["consolidate", "ckpt", "out", "--max-shard-size", "lots"])
-    assert err.startswith("zero consolidate: error: argument --max-shard-size: not a memory size: 'lots'")
+    assert err.startswith("zero consolidate: error: argument --max-shard-size: expected a size from 1 KiB to 1 TiB (")
+    assert err.endswith(", got 'lots'")
 
 
 # ----- 5. impossible model dimensions --------------------------------------------------------------------
@@ -145,31 +152,99 @@ def test_impossible_gpt_dimensions_are_one_line_errors(monkeypatch, capsys, comm
     err = _usage_error(capsys, [*command, "--d-model", "1000", "--heads", "16"])
     assert err == (f"zero {name}: error: --d-model (1000) must be a multiple of --heads (16): each head gets "
                    "d_model / heads dimensions")
-    for flag in ("--vocab", "--seq-len", "--d-model", "--layers", "--heads"):
-        assert _usage_error(capsys, [*command, flag, "0"]) == f"zero {name}: error: argument {flag}: must be >= 1, got 0"
+    ranges = {"--vocab": 2**22, "--seq-len": 2**21, "--d-model": 2**16, "--layers": 1024, "--heads": 1024}
+    for flag, high in ranges.items():
+        assert _usage_error(capsys, [*command, flag, "0"]) == (
+            f"zero {name}: error: argument {flag}: expected a whole number from 1 to {high}, got '0'"
+        )
     err = _usage_error(capsys, [*command, "--layers", "two"])
-    assert err == f"zero {name}: error: argument --layers: expected a whole number >= 1, got 'two'"
+    assert err == f"zero {name}: error: argument --layers: expected a whole number from 1 to 1024, got 'two'"
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["estimate", "--gpu-memory", "24", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
-        (["estimate", "--gpu-memory", "24", "--micro-batch", "4", "0"], "argument --micro-batch: must be >= 1, got 0"),
-        (["estimate", "--gpu-memory", "24", "--show", "-1"], "argument --show: must be >= 1, got -1"),
-        (["report", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
-        (["report", "--micro-batch", "0"], "argument --micro-batch: must be >= 1, got 0"),
-        (["report", "--world-size", "-2"], "argument --world-size: must be >= 1, got -2"),
-        (["demo", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
-        (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
-        (["demo", "--batch", "3"], "--batch (3) must be a positive multiple of the world size (2), or 0 for 4 per rank"),
-        (["demo", "--lr", "-1"], "--lr must be a positive number, got -1.0"),
+        (["estimate", "--gpu-memory", "24", "--world-size", "0"],
+         "argument --world-size: expected a whole number from 1 to 1048576, got '0'"),
+        (["estimate", "--gpu-memory", "24", "--micro-batch", "4", "0"],
+         "argument --micro-batch: expected a whole number from 1 to 65536, got '0'"),
+        (["estimate", "--gpu-memory", "24", "--show", "-1"],
+         "argument --show: expected a whole number from 1 to 10000, got '-1'"),
+        (["report", "--steps", "0"], "argument --steps: expected a whole number from 1 to 1000, got '0'"),
+        (["report", "--micro-batch", "0"], "argument --micro-batch: expected a whole number from 1 to 1024, got '0'"),
+        (["report", "--world-size", "-2"], "argument --world-size: expected a whole number from 1 to 64, got '-2'"),
+        (["demo", "--world-size", "0"], "argument --world-size: expected a whole number from 1 to 64, got '0'"),
+        (["demo", "--steps", "0"], "argument --steps: expected a whole number from 1 to 100000, got '0'"),
+        (["demo", "--batch", "3"], "--batch (3) must be a multiple of the world size (2), or 0 for 4 per rank"),
+        (["demo", "--lr", "-1"], "argument --lr: expected a number above 0 and at most 1, got '-1'"),
     ],
 )
 def test_non_positive_sizes_are_one_line_errors(monkeypatch, capsys, argv, message):
     _no_launch(monkeypatch)
     monkeypatch.delenv("RANK", raising=False)
     assert _usage_error(capsys, argv) == f"zero {argv[0]}: error: {message}"
+
+
+# every option that takes a number or a size, of every command, and what its command needs besides
+REQUIRED = {"demo": ["demo"], "report": ["report"], "estimate": ["estimate", "--gpu-memory", "24"],
+            "consolidate": ["consolidate", "ckpt", "out"]}
+NUMERIC_OPTIONS = [(name, action.option_strings[-1]) for name, parser in _commands().items()
+                   for action in parser._actions if action.option_strings and action.type not in (None, str)]
+RANGE = re.compile(r"expected a (?:whole number|number|size) (from .+? to .+?|above .+? and at most .+?)"
+                   r"(?: \(.*\))?, got ")
+
+
+def test_the_numeric_options_are_those_of_every_command():
+    assert {name for name, _ in NUMERIC_OPTIONS} == set(REQUIRED)
+    assert ("estimate", "--gpu-memory") in NUMERIC_OPTIONS and ("consolidate", "--max-shard-size") in NUMERIC_OPTIONS
+
+
+@pytest.mark.parametrize("command,flag", NUMERIC_OPTIONS)
+@pytest.mark.parametrize("value", ["9" * 400, "1e30", "-1", "nan", "inf"])
+def test_absurd_numbers_are_one_line_errors_naming_the_range(monkeypatch, capsys, command, flag, value):
+    """A 400-digit number (once an OverflowError), 1e30 (once a torch TypeError, or accepted), a negative or not a
+    number: one line naming the option and its accepted range, the range its help states; exit code 2."""
+    _no_launch(monkeypatch)
+    monkeypatch.delenv("RANK", raising=False)
+    err = _usage_error(capsys, [*REQUIRED[command], flag, value])
+    assert err.startswith(f"zero {command}: error: argument {flag}: expected a ")
+    accepted = RANGE.search(err).group(1)
+    (action,) = [a for a in _commands()[command]._actions if flag in a.option_strings]
+    assert accepted in action.help
+    assert len(err) < 300  # a long value is cut short
+
+
+@pytest.mark.parametrize("value", ["1000000000000000000000000000000", "0.0000001", "1e-7", "17TiB", "1023KiB"])
+def test_gpu_memory_outside_1_mib_to_16_tib_is_refused(capsys, value):
+    err = _usage_error(capsys, ["estimate", "--gpu-memory", value, *TINY])
+    assert err == f"zero estimate: error: argument --gpu-memory: {GPU_MEMORY_RANGE}, got {value!r}"
+
+
+@pytest.mark.parametrize("command", ["demo", "report"])
+def test_a_model_this_machine_cannot_train_is_refused_before_launching(monkeypatch, capsys, command):
+    """zero demo and zero report train on this machine's CPU ranks: a model whose fp32 weights, gradients and Adam
+    moments (16 bytes per parameter) exceed its available memory is refused in one line, not in the ranks' tracebacks."""
+    _no_launch(monkeypatch)
+    monkeypatch.setattr(report_cli, "available_host_bytes", lambda: 2**10)
+    numel = sum(p.numel() for p in GPT(GPTConfig(64, 8, 32, 2, 2)).parameters())
+    err = _usage_error(capsys, [command, *TINY])
+    assert err == (f"zero {command}: error: a GPT of {format_count(numel)} parameters needs at least "
+                   f"{format_bytes(16 * numel)} to train (16 bytes per parameter: fp32 weights, gradients and AdamW's "
+                   "two moments), more than the 1 KiB this machine has available: choose a smaller --vocab, --d-model "
+                   "or --layers")
+
+
+def test_consolidate_refuses_an_unwritable_output_in_one_line(tmp_path, capsys):
+    """An ``OSError`` (here: the output's parent is a file) is one line naming the path, exit code 2."""
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=1, num_heads=2))
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=1)
+    zero.save_checkpoint(tmp_path / "ckpt", model, opt, progress=False)
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "model.safetensors"
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("zero consolidate: ") and "a_file" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_bad_command_line_exits_2_without_a_traceback():

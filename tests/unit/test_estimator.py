@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import json
+import re
 import resource
 import time
 
@@ -9,12 +13,14 @@ import pytest
 import torch
 
 from zero import zero_model_state_bytes
-from zero.cli import main as cli_main
+from zero.cli import build_parser, main as cli_main
 from zero.models import GPT, GPTConfig, synthetic_batch
 import zero
 from zero.profiler import Workload, estimate, model_states, parse_size, plan, sources, trace
+from zero.sizes import format_bytes, format_count
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
+TINY_GPT = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2", "--heads", "2"]  # SMALL
 
 
 def _gpt_loss(model, x, y):
@@ -260,7 +266,7 @@ def test_cli_plans_for_a_callable_or_a_hugging_face_config(capsys, tmp_path):
     code, out, _ = _estimate_cli(capsys, "--hf-config", str(tmp_path), "--seq-len", "16")
     assert code == 0 and "fits, best first" in out
     direct = estimate(sources.from_hf_config(str(tmp_path / "config.json"), 16), stage=2, world_size=2, micro_batch=2)
-    assert f"{direct.peak / 2**30:.2f}" in out
+    assert re.search(rf"^  stage 2, micro-batch 2 +{re.escape(format_bytes(direct.peak))} ", out, re.MULTILINE)
 
 
 @pytest.mark.parametrize(
@@ -277,3 +283,46 @@ def test_cli_plans_for_a_callable_or_a_hugging_face_config(capsys, tmp_path):
 def test_cli_refuses_bad_models_in_one_line(capsys, args, message):
     code, _, err = _estimate_cli(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("zero estimate: ")
+
+
+def _estimate_parser_option(flag: str) -> argparse.Action:
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (action,) = [a for a in subparsers.choices["estimate"]._actions if flag in a.option_strings]
+    return action
+
+
+def test_one_default_precision_stated_in_python_and_on_the_command_line():
+    """estimate() once defaulted to fp32 and zero estimate to mixed precision."""
+    option = _estimate_parser_option("--precision")
+    for fn in (estimate, plan):
+        assert inspect.signature(fn).parameters["precision"].default == option.default == "fp32"
+    assert option.help.startswith("fp32 (the default")
+    assert '``"fp32"`` (the default' in estimate.__doc__ and '``"fp32"`` by default' in plan.__doc__
+
+
+def test_the_estimate_table_chooses_units_by_magnitude_and_json_holds_whole_bytes(capsys, tmp_path):
+    """A small model once showed 0.00 (GiB) in every column and "0.000B parameters"; the JSON held fractional bytes."""
+    path = tmp_path / "estimates.json"
+    code, out, _ = _estimate_cli(capsys, "--world-size", "3", "--precision", "mixed", "--show", "100", "--json",
+                                 str(path), *TINY_GPT)
+    assert code == 0 and "0.00" not in out and "0.000B" not in out
+    numel = sum(p.numel() for p in GPT(SMALL).parameters())
+    assert f"  {format_count(numel)} trainable parameters" in out and format_count(numel).endswith("K")
+    header, *rows = out[out.index("fits, best first") : out.index("to run the first")].splitlines()[1:]
+    assert len(rows) == 14
+    units = set()
+    for row in rows:
+        figures = re.findall(r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b", row)
+        assert len(figures) == 8, row
+        assert row.index(figures[0]) + len(figures[0]) == header.index("peak") + len("peak"), row  # aligned
+        units.update(f.split()[1] for f in figures)
+    assert units == {"B", "KiB"}  # zeros in bytes, the rest in KiB: each figure's own magnitude
+    data = json.loads(path.read_text())
+    entries = data["fits"] + data["rejected"]
+    assert entries
+    for e in entries:
+        assert all(type(v) is int for v in [*e["categories"].values(), e["host"], e["peak"]]), e
+        assert e["peak"] == sum(e["categories"].values())
+    fractional = estimate(_gpt_workload(), stage=3, world_size=3, micro_batch=1, precision="mixed")
+    assert fractional.optimizer_state != int(fractional.optimizer_state)  # Adam's state per element, a float
+    assert fractional.as_dict()["categories"]["optimizer_state"] == round(fractional.optimizer_state)

@@ -4,68 +4,59 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from typing import Any
 
-
+from zero.cli_types import SIZE_HELP, memory_size, whole_number, whole_number_range
 from zero.config import ZeroConfig
-from zero.models import add_gpt_arguments, gpt_config, positive_int
+from zero.models import add_gpt_arguments, gpt_config
 from zero.profiler import sources
-from zero.profiler.estimator import GiB, Estimate, plan
+from zero.profiler.estimator import Estimate, plan
 from zero.profiler.workload import POLICIES, Workload
+from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
 # ZeroConfig(precision=...) for each --precision the estimator prices
 PRECISION_POLICIES: dict[str, dict[str, str]] = {
     name: policy.model_dump(exclude_defaults=True) for name, policy in POLICIES.items()
 }
 
-# a memory size on the command line: a number of GiB, or a number with a unit (case-insensitive)
-SIZE_UNITS = {
-    "": 2**30, "b": 1,
-    "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-SIZE_HELP = "a bare number is GiB; or give a unit: 24GiB, 80G (= GiB), 80GB (10^9 bytes), 512MiB"
-
-
-def memory_size(text: str) -> int:
-    """An argparse ``type`` for memory sizes: bytes from ``24`` (GiB: a bare number is never bytes),
-    ``24GiB``, ``80G`` (binary, like ``free -g``), ``80GB`` (decimal) or ``512MiB``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", text, re.IGNORECASE)
-    if match is None or match.group(2).lower() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} ({SIZE_HELP})")
-    value = round(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a memory size must be positive, got {text!r}")
-    return value
+# the accepted ranges (inclusive)
+GPU_MEMORY = (MiB, 16 * TiB)
+WORLD_SIZES = (1, 2**20)
+MICRO_BATCHES = (1, 2**16)
+SHOWN = (1, 10_000)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-memory", type=memory_size, required=True, metavar="SIZE",
-                        help=f"per-GPU memory, e.g. 24 or 80GB ({SIZE_HELP})")
-    parser.add_argument("--world-size", type=positive_int, default=8, help="data-parallel ranks, i.e. GPUs (default 8)")
-    parser.add_argument("--micro-batch", type=positive_int, nargs="+", default=[1, 2, 4, 8],
-                        help="sequences per rank; one or more sizes to try (default 1 2 4 8)")
-    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default="mixed",
-                        help="fp32; mixed (the ZeRO paper's: bf16 parameters, gradients and gradient reduction, "
-                        "fp32 master weights; the default); mixed-fp32-reduce (bf16 parameters and gradients, "
-                        "gradients reduced and kept in fp32)")
+    parser.add_argument("--gpu-memory", type=memory_size(*GPU_MEMORY), required=True, metavar="SIZE",
+                        help=f"per-GPU memory, e.g. 24 or 80GB, {size_range(*GPU_MEMORY)} ({SIZE_HELP})")
+    parser.add_argument("--world-size", type=whole_number(*WORLD_SIZES), default=8,
+                        help=f"data-parallel ranks, i.e. GPUs, {whole_number_range(*WORLD_SIZES)} (default 8)")
+    parser.add_argument("--micro-batch", type=whole_number(*MICRO_BATCHES), nargs="+", default=[1, 2, 4, 8],
+                        help=f"sequences per rank, each {whole_number_range(*MICRO_BATCHES)}; one or more sizes to try "
+                        "(default 1 2 4 8)")
+    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default="fp32",
+                        help="fp32 (the default, as ZeroOptimizer's own: no mixed precision; also zero.estimate's); "
+                        "mixed (the ZeRO paper's: bf16 parameters, gradients and gradient reduction, fp32 master "
+                        "weights); mixed-fp32-reduce (bf16 parameters and gradients, gradients reduced and kept in "
+                        "fp32)")
     add_gpt_arguments(parser, vocab=50304, seq_len=1024, d_model=2048, layers=24, heads=16)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="MODULE:FUNCTION",
                         help="plan for your own model: a function that returns it (a language model with "
-                        "config.vocab_size, fed --seq-len tokens) or a zero.profiler.Workload; replaces the GPT "
-                        "options but --seq-len")
+                        "config.vocab_size, called the Hugging Face way on --seq-len tokens: model(input_ids=ids, "
+                        "labels=ids).loss) or a zero.profiler.Workload(build, loss, batch) for any other forward; "
+                        "replaces the GPT options but --seq-len")
     source.add_argument("--hf-config", metavar="PATH",
                         help="plan for a Hugging Face causal LM built from this config.json (or a directory "
                         "holding one), trained on its own loss; replaces the GPT options but --seq-len")
     parser.add_argument("--no-sync-accumulation", action="store_true",
                         help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
                         "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
-    parser.add_argument("--show", type=positive_int, default=8,
-                        help="how many fitting and how many rejected configurations to list (default 8)")
+    parser.add_argument("--show", type=whole_number(*SHOWN), default=8,
+                        help=f"how many fitting and how many rejected configurations to list, "
+                        f"{whole_number_range(*SHOWN)} (default 8)")
     parser.add_argument("--json", type=str, default=None, metavar="FILE",
                         help="also write every estimate to this file")
 
@@ -113,13 +104,13 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = work.model()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"  {numel / 1e9:.3f}B trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
+    print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
                   precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress)
     budget = 0.9 * args.gpu_memory
     print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
-          f"budget {budget / GiB:.2f} GiB (90% of {args.gpu_memory / GiB:.2f} GiB)")
+          f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)})")
     shown = result.fits[: args.show]
     if shown:
         print(f"\nfits, best first ({len(result.fits)}):")
@@ -159,11 +150,12 @@ def _label(e: Estimate) -> str:
 
 def _table(rows: list[Estimate]) -> None:
     columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host")
-    print(f"  {'configuration':<44} " + " ".join(f"{c:>7}" for c in columns) + "  peak at  (GiB; host: CPU memory)")
+    width = max(len(_label(e)) for e in rows)  # "stage 3, micro-batch 16, checkpointing + offload"
+    print(f"  {'configuration':<{width}} " + " ".join(f"{c:>9}" for c in columns) + "  peak at  (host: CPU memory)")
     for e in rows:
         figures = [e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations, e.temporaries,
                    e.communication, e.host]
-        print(f"  {_label(e):<44} " + " ".join(f"{v / GiB:>7.2f}" for v in figures) + f"  {_where(e)}")
+        print(f"  {_label(e):<{width}} " + " ".join(f"{format_bytes(v):>9}" for v in figures) + f"  {_where(e)}")
 
 
 def _where(e: Estimate) -> str:

@@ -35,9 +35,9 @@ from zero.memory import CATEGORIES
 from zero.precision import DTYPES, MixedPrecision
 from zero.profiler.schedule import Options, replay
 from zero.profiler.workload import POLICIES, Checkpointing, Workload, policy_key
+from zero.sizes import format_bytes, parse_size  # parse_size: zero.profiler's, the one parser of sizes
 from zero.units import plan_units
 
-GiB = 2**30
 STAGES = (0, 1, 2, 3)
 
 
@@ -222,7 +222,10 @@ class Estimate:
         raise AttributeError(name)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "peak": self.peak}
+        """The fields, with bytes as whole numbers (rounded: an optimizer's state per element can be fractional)
+        and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
+        categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
+        return {**asdict(self), "categories": categories, "host": round(self.host), "peak": sum(categories.values())}
 
 
 def estimate(
@@ -243,6 +246,10 @@ def estimate(
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
     (:mod:`zero.profiler.timeline`) replayed with the stage's buffer schedule (:mod:`zero.profiler.schedule`).
 
+    ``precision``: ``"fp32"`` (the default, as ``ZeroOptimizer``'s own and ``zero estimate``'s: no mixed precision),
+    ``"mixed"`` (the ZeRO paper's: bf16 parameters, gradients and reduction, fp32 master weights,
+    ``ZeroConfig(precision={"param_dtype": "bf16", "reduce_dtype": "bf16"})``) or ``"mixed-fp32-reduce"``
+    (``ZeroConfig(precision={"param_dtype": "bf16"})``: gradients reduced and kept in fp32).
     ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList`` (``ZeroConfig(activation_checkpointing={})``),
     or a policy as ``ZeroConfig.activation_checkpointing`` takes it (a dict or :class:`zero.ActivationCheckpointing`);
     ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``); ``no_sync``: gradient
@@ -292,8 +299,8 @@ def plan(
 
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload (host transfers), lower stage
-    (stage 3 moves 1.5x the data). ``no_sync``: see :func:`estimate`. ``progress`` is told about each trace as it
-    starts."""
+    (stage 3 moves 1.5x the data). ``precision`` (``"fp32"`` by default) and ``no_sync``: see :func:`estimate`.
+    ``progress`` is told about each trace as it starts."""
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
     budget = headroom * gpu_memory
@@ -318,8 +325,8 @@ def plan(
 
 def _why(e: Estimate, budget: float) -> str:
     largest = max(e.categories, key=e.categories.get)
-    return (f"needs {e.peak / GiB:.2f} GiB > {budget / GiB:.2f} GiB at {e.event} ({e.phase}); largest part: "
-            f"{largest.replace('_', ' ')} {e.categories[largest] / GiB:.2f} GiB")
+    return (f"needs {format_bytes(e.peak)} > {format_bytes(budget)} at {e.event} ({e.phase}); largest part: "
+            f"{largest.replace('_', ' ')} {format_bytes(e.categories[largest])}")
 
 
 def _precision(name: str) -> Precision:
@@ -327,21 +334,3 @@ def _precision(name: str) -> Precision:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {name!r}")
     return PRECISIONS[name]
 
-
-def parse_size(text: str) -> float:
-    """``"24GiB"``, ``"80GB"``, ``"512MiB"`` or a number of bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
-    lowered = text.strip().lower()
-    for suffix in sorted(units, key=len, reverse=True):
-        if lowered.endswith(suffix):
-            number = lowered[: -len(suffix)].strip()
-            break
-    else:
-        suffix, number = "b", lowered
-    try:
-        value = float(number) * units[suffix]
-    except ValueError:
-        raise ValueError(f"not a memory size: {text!r} (examples: 24GiB, 80GB, 512MiB)") from None
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return value

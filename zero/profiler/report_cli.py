@@ -14,21 +14,34 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, positive_int, synthetic_batch
+from zero.cli_types import whole_number, whole_number_range
+from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.offload import available_host_bytes
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import sources
 from zero.memory import CATEGORIES
 from zero.profiler.estimator import Estimate, estimate
 from zero.profiler.tracker import Sample, profile
+from zero.sizes import format_bytes, format_count
 
 MiB = 2**20
 
 
+# the accepted ranges (inclusive); zero demo launches as many CPU ranks
+CPU_RANKS = (1, 64)
+STEPS = (1, 1000)
+MICRO_BATCHES = (1, 1024)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=positive_int, default=2, help="CPU ranks to launch (default 2)")
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
-    parser.add_argument("--steps", type=positive_int, default=3, help="training steps to profile (default 3)")
-    parser.add_argument("--micro-batch", type=positive_int, default=4, help="sequences per rank (default 4)")
+    parser.add_argument("--world-size", type=whole_number(*CPU_RANKS), default=2,
+                        help=f"CPU ranks to launch, {whole_number_range(*CPU_RANKS)} (default 2)")
+    parser.add_argument("--stage", type=whole_number(0, 3), default=2,
+                        help=f"ZeRO stage, {whole_number_range(0, 3)} (default 2)")
+    parser.add_argument("--steps", type=whole_number(*STEPS), default=3,
+                        help=f"training steps to profile, {whole_number_range(*STEPS)} (default 3)")
+    parser.add_argument("--micro-batch", type=whole_number(*MICRO_BATCHES), default=4,
+                        help=f"sequences per rank, {whole_number_range(*MICRO_BATCHES)} (default 4)")
     add_gpt_arguments(parser, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     parser.add_argument("--coarse", action="store_true",
                         help="sample only at module boundaries, gradients and steps (faster; the peak's breakdown is approximate)")
@@ -40,7 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """What argparse cannot check alone (``ValueError``: the command line's error message)."""
-    gpt_config(args)
+    check_host_memory(gpt_config(args))
+
+
+def check_host_memory(cfg: GPTConfig) -> None:
+    """``ValueError`` if this machine cannot hold the training state of ``cfg`` even once across its CPU ranks
+    (fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, at any stage and world size)."""
+    with torch.device("meta"):  # counts the parameters without allocating them
+        numel = sum(p.numel() for p in GPT(cfg).parameters())
+    available = available_host_bytes()
+    if available is not None and 16 * numel > available:
+        raise ValueError(
+            f"a GPT of {format_count(numel)} parameters needs at least {format_bytes(16 * numel)} to train (16 bytes "
+            f"per parameter: fp32 weights, gradients and AdamW's two moments), more than the {format_bytes(available)} "
+            "this machine has available: choose a smaller --vocab, --d-model or --layers"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
