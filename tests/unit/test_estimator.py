@@ -8,6 +8,7 @@ import json
 import re
 import resource
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,6 +252,45 @@ def base_model_without_loss():
     return GPT2Model(GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2))
 
 
+class NanoGPTStyle(torch.nn.Module):
+    """nanoGPT's calling convention: a ``config.vocab_size``, and ``forward(idx, targets) -> (logits, loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=SMALL.vocab_size)
+        self.gpt = GPT(SMALL)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gpt(idx), self.gpt.loss(idx, targets)
+
+
+class HuggingFaceStyleDataDependent(torch.nn.Module):
+    """Called the Hugging Face way, but its forward branches on a value: a real tracing failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=SMALL.vocab_size)
+        self.gpt = GPT(SMALL)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        kept = input_ids[:, : int(input_ids.max().item()) + 1]
+        return {"loss": self.gpt.loss(kept, labels[:, : kept.shape[1]])}
+
+
+def nano_gpt():
+    return NanoGPTStyle()
+
+
+def data_dependent_hf_style():
+    return HuggingFaceStyleDataDependent()
+
+
+def nano_gpt_workload():
+    """What the error for :func:`nano_gpt` tells its author to return instead."""
+    return Workload(NanoGPTStyle, lambda model, idx: model(idx, idx)[1],
+                    lambda micro_batch: (torch.randint(0, SMALL.vocab_size, (micro_batch, SMALL.seq_len)),))
+
+
 def _estimate_cli(capsys, *args) -> tuple[int, str, str]:
     code = cli_main(["estimate", "--gpu-memory", "1GiB", "--world-size", "2", "--micro-batch", "2", *args])
     out, err = capsys.readouterr()
@@ -283,6 +323,23 @@ def test_cli_plans_for_a_callable_or_a_hugging_face_config(capsys, tmp_path):
 def test_cli_refuses_bad_models_in_one_line(capsys, args, message):
     code, _, err = _estimate_cli(capsys, *args)
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("zero estimate: ")
+
+
+def test_a_model_not_called_the_hugging_face_way_is_told_how_it_is_called(capsys):
+    """nanoGPT's forward(idx, targets) once failed with "unexpected keyword argument 'input_ids'" under a hint about
+    data-dependent control flow: the error says how the model is called and how to say otherwise (a Workload)."""
+    code, _, err = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:nano_gpt")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("zero estimate: NanoGPTStyle.forward(idx")
+    assert "does not take input_ids= and labels=" in err and "model(input_ids=ids, labels=ids)" in err
+    assert "zero.profiler.Workload(build, loss, batch)" in err and "data-dependent" not in err
+    code, out, _ = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:nano_gpt_workload")  # the fix it names
+    assert code == 0 and "fits, best first" in out
+
+
+def test_a_real_tracing_failure_keeps_the_data_dependence_hint(capsys):
+    code, _, err = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:data_dependent_hf_style")
+    assert code == 2 and err.count("\n") == 1 and "data-dependent control flow" in err
+    assert "does not take input_ids=" not in err
 
 
 def _estimate_parser_option(flag: str) -> argparse.Action:

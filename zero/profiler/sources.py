@@ -9,6 +9,7 @@ Trainer does. Any other model: have the function return a ``Workload`` that says
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from typing import Any, Callable
 
@@ -77,7 +78,24 @@ def language_model(build: Callable[[], nn.Module], model: nn.Module, seq_len: in
 
 
 def hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The loss a Hugging Face model computes itself, given ``labels``."""
+    """The loss a Hugging Face model computes itself, given ``labels``: ``model(input_ids=ids, labels=ids).loss``.
+
+    A forward that does not take those arguments (nanoGPT's ``forward(idx, targets)``) is refused before the
+    call, with the way to say how to call it instead, so that its ``TypeError`` is not taken for a tracing failure."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
+        signature = None
+    if signature is not None and not _accepts(signature, input_ids=ids, labels=ids):
+        vocab = getattr(getattr(model, "config", None), "vocab_size", "vocab_size")
+        raise ValueError(
+            f"{type(model).__name__}.forward({', '.join(signature.parameters)}) does not take input_ids= and labels=: "
+            "a language model (one with config.vocab_size) is called the Hugging Face way, model(input_ids=ids, "
+            "labels=ids), and trained on the output's .loss. For any other forward, have your function return a "
+            "zero.profiler.Workload(build, loss, batch) that says how to call it; e.g. for forward(idx, targets) "
+            "returning (logits, loss): Workload(build, lambda model, idx: model(idx, idx)[1], lambda micro_batch: "
+            f"(torch.randint(0, {vocab}, (micro_batch, {ids.shape[-1]})),))"
+        )
     out = model(input_ids=ids, labels=ids)
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if not isinstance(loss, torch.Tensor):
@@ -86,6 +104,14 @@ def hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             "its language-modeling head (AutoModelForCausalLM), or return a Workload with your own loss"
         )
     return loss
+
+
+def _accepts(signature: inspect.Signature, **kwargs: Any) -> bool:
+    try:
+        signature.bind(**kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def _tokens(vocab: int, seq_len: int) -> Callable[[int], tuple[Any, ...]]:
