@@ -25,7 +25,6 @@ from zero.optimizer import ZeroOptimizer
 from zero.profiler import profile
 from zero.profiler.report_cli import CPU_RANKS, check_host_memory, launch_ranks
 
-
 # the accepted ranges (inclusive; the learning rate's excludes 0)
 STEPS = (1, 100_000)
 BATCHES = (0, 2**16)
@@ -36,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=whole_number(*CPU_RANKS), default=2,
                         help=f"CPU ranks to launch, {whole_number_range(*CPU_RANKS)} (default 2)")
     parser.add_argument("--stages", type=whole_number(0, 3), nargs="+", default=[0, 1, 2, 3], metavar="STAGE",
-                        help=f"ZeRO stages to train, each {whole_number_range(0, 3)}, in this order (default 0 1 2 3)")
+                        help=f"ZeRO stages to train, each {whole_number_range(0, 3)}, in this order "
+                        "(default 0 1 2 3)")
     parser.add_argument("--steps", type=whole_number(*STEPS), default=30,
                         help=f"training steps per stage, {whole_number_range(*STEPS)} (default 30)")
     add_gpt_arguments(parser, vocab=512, seq_len=64, d_model=128, layers=2, heads=4)
