@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -599,23 +598,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _unit_modules(self) -> list[torch.nn.Module]:
         """The modules below the root that form units: stage 3's, or the same plan at stages 0-2."""
-        if self.partition.units:
-            return [unit.module for unit in self.partition.units if unit.name]
-        size = self.config.unit_size_mb
-        units = plan_units(self.module, list(self.module.parameters()), unit_classes=self.config.unit_classes,
-                           unit_size_bytes=None if size is None else int(size * 2**20))
+        units = self.partition.units or self._plan_units(list(self.module.parameters()))
         return [unit.module for unit in units if unit.name]
 
-    def _unit_plan(self):
-        if not isinstance(self.zero_stage, Stage3):
-            return None
+    def _unit_plan(self) -> Callable[[list[torch.nn.Parameter]], list] | None:
+        return self._plan_units if isinstance(self.zero_stage, Stage3) else None
+
+    def _plan_units(self, params: list[torch.nn.Parameter]) -> list:
         size = self.config.unit_size_mb
-        return partial(
-            plan_units,
-            self.module,
-            unit_classes=self.config.unit_classes,
-            unit_size_bytes=None if size is None else int(size * 2**20),
-        )
+        return plan_units(self.module, params, unit_classes=self.config.unit_classes,
+                          unit_size_bytes=None if size is None else int(size * 2**20))
 
     def _buckets_of(self, targets) -> list[Bucket]:
         """The buckets holding the parameters of ``targets`` (see ``gathered_parameters``)."""

@@ -47,7 +47,9 @@ class BackwardPass:
         def end() -> None:
             outer = torch._C._current_autograd_node()
             if outer is not None:  # a nested pass ended inside a node of an outer one: end with the outer pass
-                outer.register_hook(lambda grad_inputs, grad_outputs: engine.queue_callback(end))
+                # (the hook holds the callback, by a default argument: a reference from the callback's own
+                # closure would be a cycle, keeping it alive after a pass that dies with an error)
+                outer.register_hook(lambda grad_inputs, grad_outputs, again=self._end(): engine.queue_callback(again))
                 return
             self._open, self._end = False, None
             on_end()

@@ -214,10 +214,11 @@ class ParamGatherer:
 
     def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         unit = self.units[index]
-        if _in_functorch():
-            raise RuntimeError(_NO_FUNCTORCH)
-        checking = torch.is_grad_enabled() and not _in_backward()
+        functorch = _in_functorch()
+        checking = torch.is_grad_enabled() and not _in_backward() and not functorch
         self._checking.append(checking)  # (first: _forward_done pops it even if this hook fails)
+        if functorch:
+            raise RuntimeError(_NO_FUNCTORCH)
         if checking:
             self._saved_check.enter()
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
