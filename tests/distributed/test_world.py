@@ -86,8 +86,8 @@ def test_traffic_per_step_is_two_psi(world):
             assert stats["reduce_scatter"]["calls"] == stats["all_gather"]["calls"] == run["num_buckets"]
             assert stats["reduce_scatter"]["bytes"] == 4 * padded
         stage0 = rank_result["runs"][("adamw", "plain", "stage0")]
-        if world_size > 1:  # the whole gradient (Ψ, unpadded: one shard) plus one flag per parameter
-            expected = stage0["numel"] + stage0["num_params"]
+        if world_size > 1:  # the whole gradient (Ψ, unpadded: one shard), one flag per parameter, the step count
+            expected = stage0["numel"] + stage0["num_params"] + 2
             assert stage0["comm_stats"]["all_reduce"]["numel"] == expected
 
 
