@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from zero.activations import ActivationCheckpointing
 from zero.offload import Offload
 from zero.precision import MixedPrecision
-from zero.stepper import StepKernel
+
+StepKernel = Literal["auto", "torch", "triton"]  # how mixed-precision Adam steps on the device (zero.stepper)
 
 SUPPORTED_STAGES = (0, 1, 2, 3)
 MAX_MB = 2.0**20  # 1 TiB: above any real bucket or unit

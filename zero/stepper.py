@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from zero.bucket import Bucket, LocalPiece
-
-StepKernel = Literal["auto", "torch", "triton"]
+from zero.config import StepKernel
 
 
 def triton_available() -> bool:
