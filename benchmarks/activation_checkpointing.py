@@ -97,7 +97,8 @@ def main() -> None:
         print(f"{name:<26}{act / 2**20:>11.1f} MiB{act / base_act:>8.2f}{predicted:>11}{total / 2**20:>10.1f} MiB"
               f"{total / base_total:>8.2f}{t * 1e3:>8.0f} ms{t / base_time:>8.2f}")
     act = measured[f"budget ({len(planned)} blocks)"][0]
-    print(f"budget plan {list(planned)}: measured {act / 2**20:.1f} MiB of activations = {act / budget:.2f} x the budget")
+    print(f"budget plan {list(planned)}: measured {act / 2**20:.1f} MiB of activations "
+          f"= {act / budget:.2f} x the budget")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def torch_save(obj, path: Path, fsync: bool) -> None:
 
 
 def export(checkpoint: Path, out: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), str(out)], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), str(out)],
+                          capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -113,14 +114,17 @@ def main() -> None:
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     print(f"GPT: {numel / 1e6:.0f}M parameters; largest {largest / 1e6:.0f} MB", flush=True)
     model2, opt2 = build(cfg)
-    times: dict[str, list[float]] = {k: [] for k in ("zero save", "torch.save", "torch.save + fsync", "zero load", "torch.load")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("zero save", "torch.save", "torch.save + fsync", "zero load", "torch.load")
+    }
     ckpt, plain = root / "ckpt", root / "plain.pt"
     for _ in range(args.repeats):
         times["zero save"].append(timed(lambda: zero.save_checkpoint(ckpt, model, opt, progress=False)))
         state = {"model": model.state_dict(), "optimizer": opt.inner.state_dict()}
-        times["torch.save"].append(timed(lambda: torch_save(state, plain, fsync=False)))
-        times["torch.save + fsync"].append(timed(lambda: torch_save(state, plain, fsync=True)))
-        del state
+        # state bound as a default: the lambdas must not read the loop's name, which is deleted below
+        times["torch.save"].append(timed(lambda state=state: torch_save(state, plain, fsync=False)))
+        times["torch.save + fsync"].append(timed(lambda state=state: torch_save(state, plain, fsync=True)))
+        del state  # frees the state_dict copies before the loads are timed
         times["zero load"].append(timed(lambda: zero.load_checkpoint(ckpt, model2, opt2, progress=False)))
         times["torch.load"].append(timed(lambda: torch.load(plain, weights_only=True)))
     sizes = {"zero": dir_bytes(ckpt), "torch": plain.stat().st_size}
@@ -134,14 +138,17 @@ def main() -> None:
         rows[f"{ours} / {theirs}"] = {"median": statistics.median(ratios), "range": [ratios[0], ratios[-1]]}
         print(f"{ours} throughput / {theirs}: median {statistics.median(ratios):.2f} of {len(ratios)} rounds "
               f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
-    assert torch.equal(torch.cat([p.flatten() for p in model2.parameters()]), torch.cat([p.flatten() for p in model.parameters()]))
+    assert torch.equal(torch.cat([p.flatten() for p in model2.parameters()]),
+                       torch.cat([p.flatten() for p in model.parameters()]))
     exports = {}
     for out in ("hf", "model.pt"):
         result = export(ckpt, root / out)
         result["peak_growth_x_largest"] = result["peak_growth"] / largest
         exports[out] = result
-        print(f"consolidate -> {out}: {result['seconds']:.1f} s, peak memory growth {result['peak_growth'] / 1e6:.0f} MB "
-              f"= {result['peak_growth_x_largest']:.2f} x the largest parameter (baseline {result['baseline'] / 1e6:.0f} MB)")
+        print(f"consolidate -> {out}: {result['seconds']:.1f} s, "
+              f"peak memory growth {result['peak_growth'] / 1e6:.0f} MB "
+              f"= {result['peak_growth_x_largest']:.2f} x the largest parameter "
+              f"(baseline {result['baseline'] / 1e6:.0f} MB)")
     exported = zero.load_consolidated(root / "hf")
     same = all(torch.equal(exported[name], value) for name, value in model.state_dict().items())
     print(f"exported safetensors equal the parameters bit for bit: {same}")

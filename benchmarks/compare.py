@@ -72,7 +72,9 @@ from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthet
 LR, WD = 3e-4, 0.1
 LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
-DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0)) if torch.cuda.is_available() else torch.device("cpu")
+DEVICE = (
+    torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0)) if torch.cuda.is_available() else torch.device("cpu")
+)
 
 
 @dataclass
@@ -189,8 +191,8 @@ def specs() -> list[Spec]:
     out = [Spec("ddp", _ddp, 0), Spec("zro", _zro, 1),
            Spec("fsdp2", _fsdp2(True), 3, gathers=2), Spec("fsdp2-keep", _fsdp2(False), 3)]
     if importlib.util.find_spec("deepspeed") is not None:
-        out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2), Spec("ds-3", _deepspeed(3), 3, gathers=2),
-                Spec("ds-offload", _deepspeed(2, offload=True), 2)]
+        out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2),
+                Spec("ds-3", _deepspeed(3), 3, gathers=2), Spec("ds-offload", _deepspeed(2, offload=True), 2)]
     out += [Spec(f"zero-{s}", _zero(s), s, gathers=2 if s == 3 else 1) for s in range(4)]
     out += [Spec("zero-2-offload", _zero(2, offload={"optimizer": "cpu"}), 2),
             Spec("zero-2-bf16", _zero(2, precision={"param_dtype": "bf16"}), 2, param_bytes=2, grad_bytes=4,
@@ -369,7 +371,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.35 * len(rows) + 2), sharey=True)
     for ax, key, label in zip(axes, ("time_x_ddp", "peak_x_ddp", "exposed"),
                               ("step time / DDP", "peak memory / DDP", "exposed communication (share of the step)")):
-        ax.barh(names, [r[key] or 0.0 for r in rows], color=["tab:blue" if n.startswith("zero") else "tab:gray" for n in names])
+        ax.barh(names, [r[key] or 0.0 for r in rows],
+                color=["tab:blue" if n.startswith("zero") else "tab:gray" for n in names])
         ax.set_xlabel(label)
         if key != "exposed":
             ax.axvline(1.0, color="black", lw=0.8)
@@ -455,7 +458,8 @@ def main() -> None:
             "name": spec.name, **r, "fake_ms": fake[spec.name],
             "time_x_ddp": r["median_ms"] / ddp["median_ms"], "peak_x_ddp": r["peak"] / ddp["peak"],
             "state_x_formula": r["model_state"] / formula, "sent_x_theory": r["sent"] / theory_sent(spec, numel, world),
-            "exposed": None if fake[spec.name] is None else max(0.0, (r["median_ms"] - fake[spec.name]) / r["median_ms"]),
+            "exposed": (None if fake[spec.name] is None
+                        else max(0.0, (r["median_ms"] - fake[spec.name]) / r["median_ms"])),
         })
     log("\n" + table(rows))
     if rank == 0 and args.json:

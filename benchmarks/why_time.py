@@ -156,7 +156,8 @@ def report(records: dict[tuple[str, str], list[dict[str, float]]], names: list[s
             t = per_step[(name, kind)]
             row = t.median(dim=0).values.tolist()
             ratio = (t[:, -1] / ddp).median().item()
-            print(f"{name + ' ' + kind:<{width}}" + "".join(f"{v:>{max(10, len(c) + 2)}.1f}" for c, v in zip(columns, row))
+            print(f"{name + ' ' + kind:<{width}}"
+                  + "".join(f"{v:>{max(10, len(c) + 2)}.1f}" for c, v in zip(columns, row))
                   + f"{ratio:>8.2f}")
 
 

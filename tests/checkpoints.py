@@ -70,9 +70,11 @@ def loaded(path: Path, **kwargs: Any) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """The same names, dtypes, shapes and bits."""
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                        and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))
-                                        for k in a)
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 def rewrite_metadata(path: Path, edit: Callable[[dict[str, Any]], Any] | str) -> None:

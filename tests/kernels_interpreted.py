@@ -62,7 +62,8 @@ def inside_the_optimizer() -> None:
         assert not ref_opt._stepper.triton
         for got, want in zip(opt.state_dict()["master"], ref_opt.state_dict()["master"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        pieces = [(g, w) for a, b in zip(opt.param_groups, ref_opt.param_groups) for g, w in zip(a["params"], b["params"])]
+        pieces = [(g, w) for a, b in zip(opt.param_groups, ref_opt.param_groups)
+                  for g, w in zip(a["params"], b["params"])]
         for got, want in ((opt.state[g], ref_opt.state[w]) for g, w in pieces):
             assert float(got["step"]) == float(want["step"])
             torch.testing.assert_close(got["exp_avg_sq"], want["exp_avg_sq"], rtol=1e-5, atol=1e-9)

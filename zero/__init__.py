@@ -2,17 +2,19 @@
 
 from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
 from zero.config import ZeroConfig
+from zero.consolidate import consolidate, load_consolidated
 from zero.memory import ModelStateBytes, zero_model_state_bytes
-from zero.optimizer import ZeroOptimizer, init_sharded
 from zero.offload import Offload
+from zero.optimizer import ZeroOptimizer, init_sharded
+from zero.portable import load_checkpoint, save_checkpoint
 from zero.precision import LossScale, MixedPrecision
 from zero.profiler import estimate, profile
-from zero.portable import load_checkpoint, save_checkpoint
-from zero.consolidate import consolidate, load_consolidated
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "ActivationCheckpointing", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
-    "blocks_within_budget", "checkpoint_activations", "consolidate", "load_checkpoint", "load_consolidated", "save_checkpoint", "__version__",
+    "ActivationCheckpointing", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig",
+    "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
+    "blocks_within_budget", "checkpoint_activations", "consolidate", "load_checkpoint", "load_consolidated",
+    "save_checkpoint", "__version__",
 ]

@@ -107,7 +107,8 @@ def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str
         blocks = [f"{name}.{child}" if name else child for name, m in named if isinstance(m, nn.ModuleList)
                   for child, _ in m.named_children()]  # fmt: skip
         if not blocks:
-            raise ValueError("the model has no nn.ModuleList of blocks; name the blocks with classes=[...] or modules=[...]")
+            raise ValueError("the model has no nn.ModuleList of blocks; "
+                             "name the blocks with classes=[...] or modules=[...]")
     return blocks[policy.every - 1 :: policy.every]
 
 

@@ -102,7 +102,8 @@ class Bucket:
         self.trainable = trainable
         self.slots: list[ParamSlot] = []
         self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
-        self.param_buffer = FlatBuffer(layout.padded_numel, dtypes.compute, device, allocate=False)  # the stage fills it
+        # the stage fills it
+        self.param_buffer = FlatBuffer(layout.padded_numel, dtypes.compute, device, allocate=False)
         self.shard_buffer: FlatBuffer | None = None  # stage 3
         self.master_buffer: FlatBuffer | None = None
         self.master_device = placement.master_device or device

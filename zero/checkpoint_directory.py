@@ -91,8 +91,8 @@ def prepare(final: Path) -> Path:
         raise FileExistsError(f"{_described(partial)} exists and does not carry zero's marker of an unfinished save of "
                               f"{final} ({MARKER}): it is not ours to delete. Move or remove it, or save elsewhere.")
     if _present(replaced) and not claimed:
-        raise FileExistsError(f"{_described(replaced)} exists and no unfinished zero save of {final} set it aside: it is "
-                              "not ours to delete. Move or remove it (it may be a checkpoint you want to keep).")
+        raise FileExistsError(f"{_described(replaced)} exists and no unfinished zero save of {final} set it aside: "
+                              "it is not ours to delete. Move or remove it (it may be a checkpoint you want to keep).")
     if recover:
         os.rename(partial, final)  # a complete save whose rename a crash prevented: publish it first
         _fsync_dir(final.parent)
@@ -208,12 +208,14 @@ def resolve(path: str | os.PathLike) -> Path:
     if (path / METADATA).is_file():
         return path
     if path.is_symlink() and not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}: it is a symlink to {os.readlink(path)}, which does not exist")
+        raise FileNotFoundError(f"no checkpoint at {path}: it is a symlink to {os.readlink(path)}, "
+                                "which does not exist")
     if path.exists():
         if path.name.endswith(PARTIAL_SUFFIX):
             raise ValueError(f"{path}: this save was never finished ({METADATA} is written last and is missing); "
                              "load the previous checkpoint instead")
-        raise ValueError(f"{path} is not a zero checkpoint: it has no {METADATA} (an unfinished save, or another format)")
+        raise ValueError(f"{path} is not a zero checkpoint: it has no {METADATA} "
+                         "(an unfinished save, or another format)")
     partial, replaced = siblings(path)
     if (partial / METADATA).is_file():
         print(f"zero: {path} is missing, but {partial} holds a complete save of it whose final rename a crash "

@@ -88,7 +88,8 @@ class Checkpoint:
     def _check_part(self, index: int, file: Path, recorded: int) -> None:
         """The part is there, of the recorded size, and its own header describes the entries the metadata lists."""
         if not file.is_file():
-            raise ValueError(f"{file} is missing: this checkpoint lacks a rank's part (saved by {len(self.files)} ranks)")
+            raise ValueError(f"{file} is missing: this checkpoint lacks a rank's part "
+                             f"(saved by {len(self.files)} ranks)")
         size = file.stat().st_size
         if size != recorded:
             raise ValueError(f"{file} has {size} bytes but {recorded} were written: it is truncated or damaged")
@@ -96,8 +97,8 @@ class Checkpoint:
         if entries != self.entries[index]:
             differ = sorted(set(entries) ^ set(self.entries[index])) or \
                 sorted(k for k in entries if entries[k] != self.entries[index][k])
-            raise ValueError(f"{file} does not match {self.path / METADATA}: entries {differ[:3]} differ (dtype, shape, "
-                             "offset, size or CRC-32); the checkpoint is damaged")
+            raise ValueError(f"{file} does not match {self.path / METADATA}: entries {differ[:3]} differ "
+                             "(dtype, shape, offset, size or CRC-32); the checkpoint is damaged")
 
     def close(self) -> None:
         for mapped in self._maps.values():
@@ -125,7 +126,8 @@ class Checkpoint:
         that did not :meth:`verify` first)."""
         for piece in self.overlapping(name, start, numel):
             lo, hi = max(start, piece.start), min(start + numel, piece.end)
-            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo), crc=check)
+            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo),
+                                  crc=check)
             recorded = self.entries[piece.file][piece.value].crc32
             if check and crc is not None and crc != recorded:
                 raise ValueError(self._corrupted(piece.file, piece.value, crc, recorded))
@@ -146,7 +148,8 @@ class Checkpoint:
         pieces = self.overlapping(name, start, numel)
         names = {tuple(sorted(p.state)) for p in pieces}
         if len(names) != 1:
-            raise ValueError(f"{self.path}: the pieces of {name!r} carry different optimizer state ({sorted(names)}); it is damaged")
+            raise ValueError(f"{self.path}: the pieces of {name!r} carry different optimizer state "
+                             f"({sorted(names)}); it is damaged")
         state: dict[str, torch.Tensor] = {}
         for key in pieces[0].state:
             first = self.entries[pieces[0].file][pieces[0].state[key]]
@@ -230,8 +233,8 @@ def read_metadata(directory: Path) -> CheckpointMetadata:
     if match is None:
         raise ValueError(f"{checksum} is damaged: it is not one line '<SHA-256 in hex>  {METADATA}'")
     if hashlib.sha256(raw).hexdigest() != match.group(1).decode():
-        raise ValueError(f"{path} does not match the SHA-256 recorded in {checksum}: one of them was damaged or edited; "
-                         "restore it, or load an earlier checkpoint")
+        raise ValueError(f"{path} does not match the SHA-256 recorded in {checksum}: "
+                         "one of them was damaged or edited; restore it, or load an earlier checkpoint")
     try:
         return CheckpointMetadata.model_validate_json(raw, strict=True)
     except ValidationError as err:
@@ -250,9 +253,10 @@ def _check_format(path: Path, raw: bytes) -> None:
     if not isinstance(tag, str) or not tag.startswith("zero.checkpoint/"):
         raise ValueError(f"{path} is not a zero checkpoint's metadata (no 'format': {FORMAT!r})")
     if tag == "zero.checkpoint/1":
-        raise ValueError(f"{path} is in format 'zero.checkpoint/1', saved by an earlier zero without a checksum of its "
-                         f"metadata, which this version requires ({FORMAT!r}); load it with the zero version that saved "
-                         f"it (zero {meta.get('zero_version')}, an earlier commit) and save it again with this one")
+        raise ValueError(f"{path} is in format 'zero.checkpoint/1', saved by an earlier zero without a checksum of "
+                         f"its metadata, which this version requires ({FORMAT!r}); load it with the zero version "
+                         f"that saved it (zero {meta.get('zero_version')}, an earlier commit) and save it again with "
+                         "this one")
     if tag != FORMAT:
         raise ValueError(f"{path} is in format {tag!r}, which this version of zero cannot read (it reads {FORMAT!r}); "
                          "load it with the zero version that saved it")

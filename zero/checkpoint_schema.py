@@ -114,7 +114,8 @@ class CheckpointMetadata(_Strict):
             self._check_pieces(name, tensor, read)
         for alias, name in self.aliases.items():
             if name not in self.tensors or alias in self.tensors:
-                raise ValueError(f"alias {alias!r} -> {name!r} must name a stored tensor under a name not stored itself")
+                raise ValueError(f"alias {alias!r} -> {name!r} must name a stored tensor "
+                                 "under a name not stored itself")
         _check_tree(self.state.model_dump(), self.files[0].entries, read)
         unread = [(self.files[f].name, key) for f in range(len(self.files)) for key in self.files[f].entries
                   if (f, key) not in read]
@@ -133,8 +134,8 @@ class CheckpointMetadata(_Strict):
             keys = [(value, key)] + [(state[s], f"s/{name}/{start}/{s}") for s in state]
             wrong = [k for k, expected in keys if k != expected]
             if wrong or (whole and (start, length, state) != (0, numel, {})):
-                raise ValueError(f"the piece of {name!r} at element {start} names entries {_cut(wrong or [value])}, not "
-                                 "its own (v/NAME/START, s/NAME/START/STATE, or w/NAME for a whole tensor)")
+                raise ValueError(f"the piece of {name!r} at element {start} names entries {_cut(wrong or [value])}, "
+                                 "not its own (v/NAME/START, s/NAME/START/STATE, or w/NAME for a whole tensor)")
             entries = self.files[file].entries
             for key, _ in keys:
                 if key not in entries:
@@ -144,8 +145,8 @@ class CheckpointMetadata(_Strict):
                 read.add((file, key))
             code, shape = entries[value][:2]
             if code != tensor.dtype or numel_of(shape) != length or (whole and tuple(shape) != tensor.shape):
-                raise ValueError(f"the piece of {name!r} at element {start} is {length} elements of {tensor.dtype}, but "
-                                 f"its entry {value!r} is {code} of shape {tuple(shape)}")
+                raise ValueError(f"the piece of {name!r} at element {start} is {length} elements of {tensor.dtype}, "
+                                 f"but its entry {value!r} is {code} of shape {tuple(shape)}")
             for s in state:
                 shape = tuple(entries[state[s]][1])
                 if shape not in ((), (length,)):
@@ -191,7 +192,8 @@ def _check_tree(value: Any, entries: dict[str, Any], read: set[tuple[int, str]])
 
 def entries_of(file: FileRecord) -> dict[str, Entry]:
     """A file's entries as :class:`zero.tensorfile.Entry`."""
-    return {key: Entry(code, tuple(shape), offset, nbytes, crc) for key, (code, shape, offset, nbytes, crc) in file.entries.items()}
+    return {key: Entry(code, tuple(shape), offset, nbytes, crc)
+            for key, (code, shape, offset, nbytes, crc) in file.entries.items()}
 
 
 def summary(err: ValidationError, shown: int = 3) -> str:

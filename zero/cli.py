@@ -1,4 +1,5 @@
-"""Command line: ``zero demo``, ``zero estimate``, ``zero report`` and ``zero consolidate`` (also ``python -m zero ...``)."""
+"""Command line: ``zero demo``, ``zero estimate``, ``zero report`` and ``zero consolidate``
+(also ``python -m zero ...``)."""
 
 from __future__ import annotations
 

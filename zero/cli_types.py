@@ -12,7 +12,7 @@ import argparse
 import math
 from typing import Callable
 
-from zero.sizes import GiB, SIZE_SYNTAX, parse_size, quoted, size_range
+from zero.sizes import SIZE_SYNTAX, GiB, parse_size, quoted, size_range
 
 SIZE_HELP = f"a bare number is GiB; or give a unit: {SIZE_SYNTAX}"
 

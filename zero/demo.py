@@ -117,7 +117,8 @@ def _profile(stage, cfg, batch, args, rank, world) -> str:
 
 def _loss_report(losses: dict, stages: list[int]) -> str:
     base = losses[stages[0]]
-    lines = ["", "Loss (mean over the global batch)", f"{'stage':>5} {'first':>9} {'last':>9} {'max |diff| vs stage ' + str(stages[0]):>24}"]
+    lines = ["", "Loss (mean over the global batch)",
+             f"{'stage':>5} {'first':>9} {'last':>9} {'max |diff| vs stage ' + str(stages[0]):>24}"]
     for stage in stages:
         diff = max(abs(a - b) for a, b in zip(losses[stage], base))
         lines.append(f"{stage:>5} {losses[stage][0]:>9.5f} {losses[stage][-1]:>9.5f} {diff:>24.2e}")
@@ -138,5 +139,6 @@ def _memory_report(memory: dict, numel: int, world: int) -> str:
                 f"{stage:>5} {rank:>4} {m.parameters / mib:>8.2f} {m.gradients / mib:>8.2f} "
                 f"{m.optimizer_state / mib:>8.2f} {m.total / mib:>8.2f} {formula / mib:>8.2f} {m.total / formula:>6.3f}"
             )
-    lines.append("formula (fp32 Adam): stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 16Ψ/N; ratio > 1 is padding")
+    lines.append("formula (fp32 Adam): stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 16Ψ/N; "
+                 "ratio > 1 is padding")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ from typing import Iterable, Iterator
 
 import torch
 
-
 # what the memory profiler sorts every live byte into (zero.profile)
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other")
 

@@ -16,14 +16,13 @@ from zero.bucket import Bucket
 from zero.comm import Communicator
 from zero.config import ZeroConfig
 from zero.delayed import DelayedStep
-from zero.kernels.grad_norm import local_norm, scale_
 from zero.inner import check_optimizer, rebuild_optimizer
+from zero.kernels.grad_norm import local_norm, scale_
 from zero.loss_scaler import LossScaler
 from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.offload import Placement, check_host_memory, warn_unfused_host_step
 from zero.ownership import check_model, claim_parameters, managed_elsewhere
-from zero.release import ModelRelease, take_back_orphans
 from zero.partition import build_partition
 from zero.precision import (
     DTYPES,
@@ -33,10 +32,11 @@ from zero.precision import (
     check_device_supports,
     full_precision_parameters,
 )
+from zero.release import ModelRelease, take_back_orphans
 from zero.stages import Stage3, make_stage
-from zero.stepper import BucketStepper
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
+from zero.stepper import BucketStepper
 from zero.units import plan_units
 from zero.weak import weak_hook
 from zero.wrappers import check_not_called_by_ddp, check_not_ddp

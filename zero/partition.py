@@ -101,7 +101,8 @@ def build_partition(
     packed = sorted((p for p in group_of if p.requires_grad), key=lambda p: -order[p])
     if plan is not None:  # stage 3 shards every frozen parameter of the model (another optimizer's excepted)
         frozen = []
-        packed += sorted((p for p in names if not p.requires_grad and not managed_elsewhere(p)), key=lambda p: -order[p])
+        packed += sorted((p for p in names if not p.requires_grad and not managed_elsewhere(p)),
+                         key=lambda p: -order[p])
     if not any(p.requires_grad for p in packed):
         raise ValueError("the optimizer holds no parameter with requires_grad=True: there is nothing to train")
     for p in packed:

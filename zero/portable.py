@@ -47,6 +47,7 @@ from zero.optimizer import ZeroOptimizer
 from zero.progress import Progress, ProgressArg
 from zero.tensorfile import Spec
 
+
 @dataclass
 class Held:
     """One tensor of the model's ``state_dict``: managed in a bucket (``slot``) or kept whole."""
@@ -117,7 +118,8 @@ def save_checkpoint(
     held, aliases, encoded, writes, pieces = comm.everywhere(prepare, "preparing the save")
     report = progress if comm.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
-    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part", share=True)
+    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part",
+                                share=True)
     meta = {
         "format": FORMAT, "zero_version": _version(), "torch_version": torch.__version__,
         "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
@@ -129,7 +131,8 @@ def save_checkpoint(
     for rank, manifest in enumerate(manifests):
         for name, records in manifest["pieces"].items():
             meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
-    note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None, "publishing the checkpoint")
+    note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None,
+                           "publishing the checkpoint")
     parts = f"{comm.world_size} part{'s' if comm.world_size > 1 else ''}"
     meter.finish(f"saved {final} ({parts}{'; ' + note if note else ''})")
     return final
@@ -256,7 +259,8 @@ def load_checkpoint(
         if scheduler is not None and plan.state["scheduler"] is not None:
             scheduler.load_state_dict(plan.state["scheduler"])
         ranks = ckpt.meta.world_size
-        plan.meter.finish(f"loaded {ckpt.path} (saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta.stage})")
+        plan.meter.finish(f"loaded {ckpt.path} "
+                          f"(saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta.stage})")
         return plan.state["extra"]
     finally:
         ckpt.close()
@@ -300,7 +304,8 @@ def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: in
         return
     halves = []
     if differ:
-        listed = ", ".join(f"{n!r} is {saved[n]} in the checkpoint but {tuple(shapes[n])} in the model" for n in differ[:shown])
+        listed = ", ".join(f"{n!r} is {saved[n]} in the checkpoint but {tuple(shapes[n])} in the model"
+                           for n in differ[:shown])
         halves.append(f"{_count(differ, 'tensor')} of another shape ({listed}{_more(differ, shown)})")
     if only_saved:
         halves.append(f"the checkpoint has {_count(only_saved, 'tensor')} that the model lacks "
@@ -365,7 +370,8 @@ def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
         ids = []
         for tensor in group["params"]:
             piece = piece_of[id(tensor)]
-            saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start, piece.piece.numel)
+            saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
+                                    piece.piece.numel)
             if saved:
                 state[index] = saved
             ids.append(index)

@@ -99,7 +99,8 @@ class BucketStepper:
             pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
         for piece in pieces:
             piece.tensor.grad = (
-                bucket.grad_piece(piece) if grads is None else grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+                bucket.grad_piece(piece) if grads is None
+                else grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
             )
         try:
             # the class's step: not a wrapper an LR scheduler set on the instance

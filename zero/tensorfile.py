@@ -9,8 +9,9 @@ anything (unlike a pickle).
 Writing is streamed: the header is computed from the tensors' shapes and dtypes first, then
 each tensor is copied to the file in chunks of at most :data:`CHUNK_BYTES` (device tensors
 are copied to the host a chunk at a time), with a CRC-32 of each tensor's bytes computed on
-the way (on a second thread, overlapping the writes). The caller gets, per key, the tensor's absolute byte offset in the file, its size and
-its CRC, which is what reading a range and verifying need.
+the way (on a second thread, overlapping the writes). The caller gets, per key, the tensor's
+absolute byte offset in the file, its size and its CRC, which is what reading a range and
+verifying need.
 
 **Checksums in the file.** Every file written here carries, in its header's ``__metadata__``,
 ``"zero.checksums"``: the CRC-32 of each tensor's bytes and the SHA-256 of the header's
@@ -134,7 +135,8 @@ def write(
         f.write(len(placeholder).to_bytes(8, "little") + placeholder)
         for spec, tensor in zip(specs, tensors, strict=True):
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"{spec.key}: got {tensor.dtype} {tuple(tensor.shape)}, expected {spec.dtype} {spec.shape}")
+                raise ValueError(f"{spec.key}: got {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"expected {spec.dtype} {spec.shape}")
             crc = _write_tensor(f, tensor, crcs, on_bytes)
             entries[spec.key] = Entry(dtype_code(spec.dtype), spec.shape, base + offsets[spec.key][0], spec.nbytes, crc)
         digest = _digest(metadata, entries)
@@ -152,7 +154,8 @@ def _header_text(metadata: dict[str, str], specs: list[Spec], offsets: dict[str,
     checksums = json.dumps({"crc32": crcs, "sha256": sha256}, separators=(",", ":"))
     header: dict[str, Any] = {"__metadata__": {**metadata, CHECKSUMS: checksums}}
     for spec in specs:
-        header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape), "data_offsets": list(offsets[spec.key])}
+        header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
+                            "data_offsets": list(offsets[spec.key])}
     text = json.dumps(header, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)
 
@@ -163,7 +166,8 @@ def _digest(metadata: dict[str, str], entries: dict[str, Entry]) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _write_tensor(f: BinaryIO, tensor: torch.Tensor, crcs: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None) -> int:
+def _write_tensor(f: BinaryIO, tensor: torch.Tensor, crcs: ThreadPoolExecutor,
+                  on_bytes: Callable[[int], None] | None) -> int:
     """Stream one tensor's bytes to ``f`` chunk by chunk; return their CRC-32. Each chunk's CRC is computed on
     another thread while the chunk is written (both release the GIL)."""
     flat = tensor.detach().reshape(-1)
@@ -211,9 +215,11 @@ def read_header(f: BinaryIO, what: str) -> Header:
                              "(the tensors must tile the data without gaps or overlaps)")
         position = end
     if base + position != size:
-        raise ValueError(f"{what} has {size} bytes but its header describes {base + position}: it is truncated or damaged")
+        raise ValueError(f"{what} has {size} bytes but its header describes {base + position}: "
+                         "it is truncated or damaged")
     crcs = _checksums(metadata.pop(CHECKSUMS, None), set(ranges), what)
-    entries = {key: Entry(code, shape, base + begin, end - begin, crcs[key]) for key, (begin, end, code, shape) in ranges.items()}
+    entries = {key: Entry(code, shape, base + begin, end - begin, crcs[key])
+               for key, (begin, end, code, shape) in ranges.items()}
     if _digest(metadata, entries) != crcs["__sha256__"]:
         raise ValueError(f"{what} is damaged: its header does not match the SHA-256 recorded in it")
     return Header(entries, metadata, crcs["__sha256__"])
@@ -229,7 +235,8 @@ def _checked_record(key: str, record: Any, what: str) -> tuple[int, int, str, tu
     if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
         raise ValueError(f"{what} is damaged: tensor {key!r} has shape {shape!r}, not a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise ValueError(f"{what} is damaged: tensor {key!r} has data_offsets {offsets!r}, not two non-negative integers")
+        raise ValueError(f"{what} is damaged: tensor {key!r} has data_offsets {offsets!r}, "
+                         "not two non-negative integers")
     begin, end = offsets
     nbytes = numel_of(shape) * DTYPES[code].itemsize
     if end - begin != nbytes:
@@ -254,7 +261,8 @@ def _checksums(text: str | None, keys: set[str], what: str) -> dict[str, Any]:
     crcs = value.get("crc32") if isinstance(value, dict) else None
     sha = value.get("sha256") if isinstance(value, dict) else None
     hex8, hex64 = re.compile(r"[0-9a-f]{8}"), re.compile(r"[0-9a-f]{64}")
-    if (not isinstance(crcs, dict) or set(crcs) != keys or not all(isinstance(c, str) and hex8.fullmatch(c) for c in crcs.values())
+    if (not isinstance(crcs, dict) or set(crcs) != keys
+            or not all(isinstance(c, str) and hex8.fullmatch(c) for c in crcs.values())
             or not isinstance(sha, str) or not hex64.fullmatch(sha)):
         raise ValueError(f"{what} is damaged: its {CHECKSUMS} are not a CRC-32 per tensor and a SHA-256")
     return {**{k: int(c, 16) for k, c in crcs.items()}, "__sha256__": sha}

@@ -33,7 +33,8 @@ def encode(tree: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
             return {k: encode(v, tensors, f"{path}.{k}" if path else k) for k, v in tree.items()}
         bad = [k for k in tree if not isinstance(k, _SCALARS)]
         if bad:
-            raise ValueError(f"cannot save the dict key {bad[0]!r} at {path or 'the top'}: keys must be str, int, float, bool or None")
+            raise ValueError(f"cannot save the dict key {bad[0]!r} at {path or 'the top'}: "
+                             "keys must be str, int, float, bool or None")
         return {"__items__": [[k, encode(v, tensors, f"{path}[{k!r}]")] for k, v in tree.items()]}
     raise ValueError(
         f"cannot save {type(tree).__name__} at {path or 'the top'}: checkpoints hold only dicts, lists, tuples, "

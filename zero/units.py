@@ -63,7 +63,8 @@ def runs_forward(module: nn.Module) -> bool:
 
 def _by_class(model: nn.Module, classes: tuple[str, ...]) -> list[str]:
     wanted = set(classes)
-    containers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in wanted and not runs_forward(m)})
+    containers = sorted({type(m).__name__ for m in model.modules()
+                         if type(m).__name__ in wanted and not runs_forward(m)})
     if containers:
         raise ValueError(
             f"unit_classes names {', '.join(containers)}, a container without a forward of its own: its layers "

@@ -95,7 +95,8 @@ PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora")  # at the first micro-batch only
 # under mixed precision with an fp32 reduction, where it accumulates in fp32)
 VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkpointing": True}, {"no_sync": True},
             {"precision": "mixed-fp32-reduce", "no_sync": True})  # (bf16 micro-batches accumulate in fp32)
-POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"}, "mixed-fp32-reduce": {"param_dtype": "bf16"}}
+POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
+            "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
 
 def key(name: str, stage: int, micro: int, variant: dict) -> str:

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 TEARDOWN_S = 10
 
 
@@ -76,7 +75,8 @@ def run_world_outcomes(
     as one fails (they might otherwise wait for it in a collective)."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, _free_port(), outdir, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry, args=(fn, world_size, _free_port(), outdir, args), nprocs=world_size, join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
         paths = [Path(outdir) / f"rank{r}.pt" for r in range(world_size)]

@@ -118,7 +118,8 @@ def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
                 loss = model(**batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    norm = accelerator.clip_grad_norm_(model.parameters(), 0.5) if stage is None else opt.clip_grad_norm_(0.5)
+                    norm = (accelerator.clip_grad_norm_(model.parameters(), 0.5) if stage is None
+                            else opt.clip_grad_norm_(0.5))
                     norms.append(float(norm))
                 opt.step()
                 scheduler.step()

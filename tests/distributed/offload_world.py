@@ -16,7 +16,8 @@ PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}}
 
 
 def run(rank: int, world_size: int, stage: int, offload: dict, precision: dict) -> torch.Tensor:
-    """AdamW (fused: the recommended host step), ``no_sync`` accumulation of two micro-batches, clipping; this rank's view of the masters."""
+    """AdamW (fused: the recommended host step), ``no_sync`` accumulation of two micro-batches, clipping; this
+    rank's view of the masters."""
     model = Net()
     opt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, fused=True), model, stage=stage,

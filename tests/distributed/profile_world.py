@@ -77,7 +77,8 @@ def profiled_run(rank: int, world_size: int, stage: int, micro_batch: int, every
 def profile_checks(rank: int, world_size: int) -> dict:
     """Every stage and micro-batch sampled at module boundaries (for the estimator), and, at world
     size 2, at every operator too (reconciliation and activations at the peak)."""
-    workload = Workload(lambda: GPT(BENCH), lambda m, x, y: m.loss(x, y), lambda micro: synthetic_batch(0, micro, BENCH))
+    workload = Workload(lambda: GPT(BENCH), lambda m, x, y: m.loss(x, y),
+                        lambda micro: synthetic_batch(0, micro, BENCH))
     runs, estimates = {}, {}
     for stage in STAGES:
         for micro in MICRO_BATCHES:

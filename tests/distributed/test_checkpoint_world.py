@@ -49,7 +49,8 @@ def test_other_world_sizes_and_stages_resume(resumed, kind, mode):
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
     assert got["lr"] == ref["lr"]
     rel = float((got["params"] - ref["params"]).norm() / ref["params"].norm())
-    print(f"{kind} {mode}: relative L2 {rel:.2e}, loss max rel {max(abs(a / b - 1) for a, b in zip(got['losses'], ref['losses'])):.1e}")
+    print(f"{kind} {mode}: relative L2 {rel:.2e}, "
+          f"loss max rel {max(abs(a / b - 1) for a, b in zip(got['losses'], ref['losses'])):.1e}")
     assert rel <= PARAM_RTOL, rel
     assert not torch.equal(got["params"], torch.zeros_like(got["params"]))
 

@@ -1,8 +1,10 @@
 """The estimator against ``zero.profile`` on the same configuration, rank 0 of worlds of 1, 2 and 3 in torch's
-fake process group (``estimate_world``), with the breakdown by category at the peak for the GPT: the project's GPT, Hugging Face GPT-2 and Llama with the loss inside
-``forward`` (GPT-2 also with its first block frozen, and with PEFT LoRA adapters on a frozen base), and a CNN with batch norm, at stages 0-3 and two micro-batches; the GPT also with activation
-checkpointing, under both mixed-precision policies and with a micro-batch accumulated under ``no_sync()`` first. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two
-sequence lengths (``estimate_scale``).
+fake process group (``estimate_world``), with the breakdown by category at the peak for the GPT: the project's
+GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward`` (GPT-2 also with its first block frozen, and
+with PEFT LoRA adapters on a frozen base), and a CNN with batch norm, at stages 0-3 and two micro-batches; the
+GPT also with activation checkpointing, under both mixed-precision policies and with a micro-batch accumulated
+under ``no_sync()`` first. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two sequence lengths
+(``estimate_scale``).
 
 World size 2 runs by default; 1 and 3 (a minute or two each on 2 cores) with ``-m slow``.
 

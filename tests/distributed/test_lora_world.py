@@ -39,7 +39,14 @@ import torch
 
 from tests.distributed.harness import run_world
 from tests.distributed.lora_world import (
-    CASES, MAX_NORM, MODELS, STEPS, TRAINER_STAGES, bf16_recipe, lora_checks, reference,
+    CASES,
+    MAX_NORM,
+    MODELS,
+    STEPS,
+    TRAINER_STAGES,
+    bf16_recipe,
+    lora_checks,
+    reference,
 )
 
 pytest.importorskip("transformers")

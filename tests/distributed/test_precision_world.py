@@ -69,7 +69,8 @@ def test_traffic_moves_param_dtype_gathers_and_reduce_dtype_reductions(precision
             flags = stats["all_reduce"]["numel"] - padded  # the end-of-backward flags, in int32
             assert stats["all_reduce"]["bytes"] == reduce_bytes * padded + 4 * flags
             continue
-        assert stats["reduce_scatter"]["bytes"] == reduce_bytes * stats["reduce_scatter"]["numel"] == reduce_bytes * padded
+        assert (stats["reduce_scatter"]["bytes"] == reduce_bytes * stats["reduce_scatter"]["numel"]
+                == reduce_bytes * padded)
         assert stats["all_gather"]["bytes"] == 2 * stats["all_gather"]["numel"]  # bf16 parameters
         if stage in (1, 2):
             assert stats["all_gather"]["numel"] == padded

@@ -23,7 +23,8 @@ def _build(stage: int, seed: int, **overrides):
                                      step_kernel="torch", **overrides)
 
 
-@pytest.mark.parametrize("after", [{"stage": 3}, {"stage": 2, "offload": {"optimizer": "cpu"}}], ids=["stage3", "offload"])
+@pytest.mark.parametrize("after", [{"stage": 3}, {"stage": 2, "offload": {"optimizer": "cpu"}}],
+                         ids=["stage3", "offload"])
 def test_cuda_resume(nccl_world_of_one, tmp_path, after):
     model, opt = _build(2, seed=0)
     train(model, opt, CFG, range(3))

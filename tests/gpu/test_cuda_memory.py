@@ -6,7 +6,6 @@ estimator's peak is within 5% of ``torch.cuda.max_memory_allocated`` at stages 0
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -176,7 +176,8 @@ VALUES = st.one_of(
 def test_hand_crafted_metadata_never_gives_other_numbers(original, where, new):
     """Any one value of ``metadata.json`` replaced, its checksum recomputed: loading into a plain model gives the
     saved tensors exactly or is refused naming the checkpoint; an export holds only saved tensors' values."""
-    saved_bytes = {(v.dtype, v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for v in original["weights"].values()}
+    saved_bytes = {(v.dtype, v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                   for v in original["weights"].values()}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         shutil.copytree(original["root"] / "ckpt", ckpt)

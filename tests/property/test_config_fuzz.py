@@ -241,4 +241,5 @@ def test_precision_is_refused_by_name_or_trains(policy, stage):
 
 def test_the_oracle_knows_every_field():
     """A new ZeroConfig field must be added to the oracle (and so to the fuzzing) above."""
-    assert set(FIELDS) | {"precision", "offload", "activation_checkpointing"} == set(ZeroConfig.model_fields)  # nested: own tests
+    # nested: own tests
+    assert set(FIELDS) | {"precision", "offload", "activation_checkpointing"} == set(ZeroConfig.model_fields)

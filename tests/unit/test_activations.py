@@ -8,8 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.toy import DropoutNet, batch
 import zero
+from tests.toy import DropoutNet, batch
 from zero import ActivationCheckpointing, ZeroConfig, ZeroOptimizer, blocks_within_budget, checkpoint_activations
 from zero.activations import chosen_blocks, saved_activation_bytes
 from zero.models import GPT, GPTConfig

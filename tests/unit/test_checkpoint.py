@@ -135,7 +135,8 @@ def test_truncated_state_tensor_is_refused_naming_the_parameter(stage, optimizer
     state[key] = state[key][:-1]
     name = here(opt)["inner"]["pieces"][1][0][0]
     assert name == "layers.1.bias"
-    refused(saved, opt, rf"'{key}' of parameter 'layers\.1\.bias' \(elements 0:2, tensor index {index}\) has shape \(1,\)")
+    refused(saved, opt,
+            rf"'{key}' of parameter 'layers\.1\.bias' \(elements 0:2, tensor index {index}\) has shape \(1,\)")
 
 
 def test_reshaped_state_tensor_is_refused_but_scalar_state_is_fine():

@@ -76,7 +76,8 @@ def test_a_flipped_dtype_in_the_metadata_is_refused(saved, capsys, code):
      r"the piece of 'hidden.weight' at element 0 is 256 elements of I32, but its entry 'v/hidden.weight/0' is F32"),
     (lambda m: m["files"][0]["entries"]["v/hidden.weight/0"].__setitem__(0, "F16"),
      r"entry 'v/hidden.weight/0' of part-00000-of-00001.safetensors is F16 of shape \(256,\), 512 bytes, but 1024"),
-    (lambda m: [m["tensors"]["hidden.weight"].update(dtype="I32"), m["files"][0]["entries"]["v/hidden.weight/0"].__setitem__(0, "I32")],
+    (lambda m: [m["tensors"]["hidden.weight"].update(dtype="I32"),
+                m["files"][0]["entries"]["v/hidden.weight/0"].__setitem__(0, "I32")],
      r"part-00000-of-00001.safetensors does not match .*metadata.json: entries \['v/hidden.weight/0'\] differ"),
 ])
 def test_a_hand_edited_dtype_with_its_checksum_recomputed_is_refused(saved, capsys, edit, match):
@@ -130,7 +131,8 @@ def test_a_gap_or_an_absurd_shape_is_refused_before_allocating(saved, capsys, ed
      r"the piece of 'hidden.bias' at element 0 names entries \['v/out.bias/0'\], not its own"),
     (lambda m: m["tensors"]["out.bias"]["pieces"].append(m["tensors"]["out.bias"]["pieces"][0]),
      r"entry 'v/out.bias/0' of part-00000-of-00001.safetensors is read by more than one piece"),
-    (lambda m: m.update(aliases={"head.weight": "nothing"}), r"alias 'head.weight' -> 'nothing' must name a stored tensor"),
+    (lambda m: m.update(aliases={"head.weight": "nothing"}),
+     r"alias 'head.weight' -> 'nothing' must name a stored tensor"),
     (lambda m: m.update(world_size=10**400), r"world_size"),
     (lambda m: m["state"].update(extra={"__tensor__": 7}), r"state refers to tensor 7, which is not one stored entry"),
     (lambda m: m.pop("tensors"), r"tensors: Field required"),
@@ -157,7 +159,8 @@ def exported(saved, tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_a_truncated_export_is_refused(exported):
     out, _ = exported
     out.write_bytes(out.read_bytes()[:-1024])
-    with pytest.raises(ValueError, match=r"model.safetensors has \d+ bytes but its header describes \d+: it is truncated"):
+    with pytest.raises(ValueError,
+                       match=r"model.safetensors has \d+ bytes but its header describes \d+: it is truncated"):
         zero.load_consolidated(out)
 
 

@@ -16,11 +16,11 @@ import zero
 from zero import ZeroConfig, ZeroOptimizer
 from zero.cli import build_parser, main
 from zero.cli_types import memory_size
-from zero.sizes import format_bytes, format_count
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.precision import MixedPrecision
 from zero.profiler import estimate_cli, report_cli
 from zero.profiler.estimator import PRECISIONS, Precision
+from zero.sizes import format_bytes, format_count
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -223,7 +223,8 @@ def test_gpu_memory_outside_1_mib_to_16_tib_is_refused(capsys, value):
 @pytest.mark.parametrize("command", ["demo", "report"])
 def test_a_model_this_machine_cannot_train_is_refused_before_launching(monkeypatch, capsys, command):
     """zero demo and zero report train on this machine's CPU ranks: a model whose fp32 weights, gradients and Adam
-    moments (16 bytes per parameter) exceed its available memory is refused in one line, not in the ranks' tracebacks."""
+    moments (16 bytes per parameter) exceed its available memory is refused in one line, not in the ranks'
+    tracebacks."""
     _no_launch(monkeypatch)
     monkeypatch.setattr(report_cli, "available_host_bytes", lambda: 2**10)
     numel = sum(p.numel() for p in GPT(GPTConfig(64, 8, 32, 2, 2)).parameters())
@@ -316,8 +317,10 @@ def test_profiler_chatter_is_dropped_from_the_ranks_stderr(monkeypatch, capsys):
     """Kineto's start/stop lines go; everything else the ranks write to stderr (errors) is passed on."""
     script = (
         "import sys; "
-        "sys.stderr.write('USDT:2026-11-23 18:47:01 17407:17407 SyncActivityProfilerHandler.cpp:52] profiler_start\\n'); "
-        "sys.stderr.write('STAGE:2026-11-23 18:47:16 17531:17531 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\\n'); "
+        "sys.stderr.write('USDT:2026-11-23 18:47:01 17407:17407 "
+        "SyncActivityProfilerHandler.cpp:52] profiler_start\\n'); "
+        "sys.stderr.write('STAGE:2026-11-23 18:47:16 17531:17531 "
+        "SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\\n'); "
         "sys.stderr.write('ValueError: a real error\\n'); print('rank output'); sys.exit(3)"
     )
     real_popen = subprocess.Popen

@@ -68,7 +68,8 @@ def test_delayed_step_is_the_delayed_update(stage):
 
 
 def test_off_unless_asked_and_loud_where_inexact():
-    assert ZeroConfig().offload.delayed_step is False and ZeroConfig(offload={"optimizer": "cpu"}).offload.delayed_step is False
+    assert (ZeroConfig().offload.delayed_step is False
+            and ZeroConfig(offload={"optimizer": "cpu"}).offload.delayed_step is False)
     with pytest.raises(ValidationError, match="needs the optimizer offloaded"):
         ZeroConfig(offload={"delayed_step": True})
     with pytest.raises(ValueError, match="changed in place while a delayed step was in flight"):

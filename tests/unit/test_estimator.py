@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero import zero_model_state_bytes
-from zero.cli import build_parser, main as cli_main
-from zero.models import GPT, GPTConfig, synthetic_batch
 import zero
+from zero import zero_model_state_bytes
+from zero.cli import build_parser
+from zero.cli import main as cli_main
+from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.profiler import Workload, estimate, model_states, parse_size, plan, sources, trace
 from zero.sizes import format_bytes, format_count
 

@@ -29,7 +29,8 @@ def test_trainer_refuses_autocast_arguments(tmp_path):
 def test_trainer_refuses_a_scheduler_on_the_plain_optimizer(tmp_path):
     model = gpt2()
     plain = torch.optim.AdamW(model.parameters())
-    trainer = ZeroTrainer(model=model, args=_args(tmp_path), optimizers=(plain, torch.optim.lr_scheduler.StepLR(plain, 1)))
+    trainer = ZeroTrainer(model=model, args=_args(tmp_path),
+                          optimizers=(plain, torch.optim.lr_scheduler.StepLR(plain, 1)))
     with pytest.raises(ValueError, match="scheduler was built on the plain optimizer"):
         trainer.create_optimizer()
 

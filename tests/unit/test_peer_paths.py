@@ -147,7 +147,8 @@ class Layers(torch.nn.ModuleDict):
 def test_a_container_named_as_a_unit_class_is_refused():
     model = DictBlocks()
     model.blocks[1] = Layers(dict(model.blocks[1].items()))
-    with pytest.raises(ValueError, match=r"names Layers, a container without a forward .* Name the class of the layers"):
+    with pytest.raises(ValueError,
+                       match=r"names Layers, a container without a forward .* Name the class of the layers"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, unit_classes=["Layers"])
 
 
@@ -274,7 +275,8 @@ def test_close_removes_every_hook_and_refuses_further_use(stage):
     model = Net()
     hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
     before = hooks()
-    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage, precision={"param_dtype": "bf16"})
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage,
+                        precision={"param_dtype": "bf16"})
     model(batch(0)).backward()
     opt.step()
     opt.close()

@@ -88,8 +88,10 @@ CASES = [
     ({"stage": 3}, {"stage": 0}),
     ({"stage": 0}, {"stage": 1}),
     ({"stage": 1, "precision": MIXED}, {"stage": 3, "precision": MIXED, "offload": OFFLOAD}),
-    ({"stage": 3, "precision": MIXED, "offload": {"optimizer": "cpu", "params": "cpu"}}, {"stage": 2, "precision": MIXED}),
-    ({"stage": 2, "offload": {"optimizer": "cpu", "delayed_step": True}}, {"stage": 2, "offload": {"optimizer": "cpu", "delayed_step": True}}),
+    ({"stage": 3, "precision": MIXED, "offload": {"optimizer": "cpu", "params": "cpu"}},
+     {"stage": 2, "precision": MIXED}),
+    ({"stage": 2, "offload": {"optimizer": "cpu", "delayed_step": True}},
+     {"stage": 2, "offload": {"optimizer": "cpu", "delayed_step": True}}),
 ]
 
 
@@ -209,14 +211,15 @@ def test_another_model_is_refused_naming_each_side(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)
     _refused(path, model, opt, r"ckpt is a checkpoint of another model: the checkpoint has 36 tensors that the model "
-             r"lacks \('aux.bias', 'aux.weight', 'frozen_bias', 'gpt.blocks.0.attn.proj.bias', and 32 more\); the model "
-             r"has 2 tensors that the checkpoint lacks \('0.bias', '0.weight'\)$")
+             r"lacks \('aux.bias', 'aux.weight', 'frozen_bias', 'gpt.blocks.0.attn.proj.bias', and 32 more\); "
+             r"the model has 2 tensors that the checkpoint lacks \('0.bias', '0.weight'\)$")
     narrow = nn.Sequential(nn.Linear(32, 4), nn.Linear(4, 2))
     zero.save_checkpoint(tmp_path / "narrow", narrow, zero.ZeroOptimizer(torch.optim.SGD(narrow.parameters()), narrow),
                          progress=False)
     wide = nn.Sequential(nn.Linear(128, 4), nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"narrow is a checkpoint of another model: 1 tensor of another shape \('0.weight' "
-                       r"is \(4, 32\) in the checkpoint but \(4, 128\) in the model\); the model has 2 tensors that "
+    with pytest.raises(ValueError, match=r"narrow is a checkpoint of another model: 1 tensor of another shape "
+                       r"\('0.weight' is \(4, 32\) in the checkpoint but \(4, 128\) in the model\); "
+                       r"the model has 2 tensors that "
                        r"the checkpoint lacks \('3.bias', '3.weight'\)$"):
         zero.load_checkpoint(tmp_path / "narrow", wide, progress=False)
 
@@ -224,7 +227,8 @@ def test_another_model_is_refused_naming_each_side(tmp_path):
 def test_other_shapes_class_or_groups_are_refused(tmp_path):
     path, _ = saved(tmp_path)
     model, opt, _ = build(2, optimizer="sgd")
-    _refused(path, model, opt, "holds the state of a torch.optim.adamw.AdamW but this ZeroOptimizer wraps a torch.optim.sgd.SGD")
+    _refused(path, model, opt,
+             "holds the state of a torch.optim.adamw.AdamW but this ZeroOptimizer wraps a torch.optim.sgd.SGD")
     model = build_model(1)
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)
     _refused(path, model, opt, "in param group 0 when saved but is in group 1 now|param groups")
@@ -272,7 +276,8 @@ def test_consolidate_streams_every_layout_and_checks_crcs(tmp_path):
     for out in ("dir", "one.safetensors", "sd.pt"):
         files = zero.consolidate(path, tmp_path / out, max_shard_size="40KB" if out == "dir" else "5GB", progress=False)
         assert all(f.exists() for f in files)
-        state = torch.load(tmp_path / out, weights_only=True) if out.endswith(".pt") else zero.load_consolidated(tmp_path / out)
+        state = (torch.load(tmp_path / out, weights_only=True) if out.endswith(".pt")
+                 else zero.load_consolidated(tmp_path / out))
         plain = model_for(1, MIXED)
         plain.load_state_dict(state, strict=True)
         trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -282,7 +287,9 @@ def test_consolidate_streams_every_layout_and_checks_crcs(tmp_path):
     assert len(list((tmp_path / "dir").glob("model-*-of-*.safetensors"))) > 1
     index = json.loads((tmp_path / "dir" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(Checkpoint(path).tensors)
-    half = zero.load_consolidated(zero.consolidate(path, tmp_path / "bf16.safetensors", dtype="bf16", progress=False)[0])
+    half = zero.load_consolidated(
+        zero.consolidate(path, tmp_path / "bf16.safetensors", dtype="bf16", progress=False)[0]
+    )
     assert half["gpt.blocks.0.attn.qkv.weight"].dtype == torch.bfloat16
     meta = json.loads((path / METADATA).read_text())
     part = path / meta["files"][0]["name"]

@@ -47,7 +47,8 @@ def master_weights(opt: ZeroOptimizer) -> torch.Tensor:
     return torch.cat([p.tensor.detach() for p in pieces])
 
 
-def train(stage: int, precision: dict, clip: float | None = None, steps: int = STEPS) -> tuple[nn.Module, ZeroOptimizer]:
+def train(stage: int, precision: dict, clip: float | None = None,
+          steps: int = STEPS) -> tuple[nn.Module, ZeroOptimizer]:
     model = Net()
     opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=precision, bucket_size_mb=1e-4)
     for step in range(steps):
@@ -193,7 +194,8 @@ def test_edits_after_wrapping_reach_the_master_weights(stage):
     """``model.load_state_dict()`` or an in-place edit after wrapping: the next step starts from the new
     values (the master is not allowed to overwrite them), and untouched elements keep full precision."""
     model = Net()
-    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, stage=stage, precision={"param_dtype": "bf16"})
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, stage=stage,
+                        precision={"param_dtype": "bf16"})
     before = master_weights(opt).clone()
     with opt.gathered_parameters(), torch.no_grad():
         state = {k: v.clone() for k, v in model.state_dict().items()}

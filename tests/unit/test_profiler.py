@@ -226,6 +226,7 @@ def test_plot_shades_each_phase_and_marks_the_peak():
 
 def test_plot_module_bars_count_each_byte_once():
     import matplotlib.pyplot as plt
+
     from zero.profiler.report import MODEL_WIDE, module_bars
 
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from zero import ZeroOptimizer
-from zero.sharded_grad import ShardedGrad
 from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.sharded_grad import ShardedGrad
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=1, num_heads=2)
 

@@ -20,8 +20,9 @@
 fields), places the model on ``accelerator.device`` without DDP, gives the model a ``no_sync`` so
 that ``accelerator.accumulate`` accumulates locally (no communication until the last micro-batch),
 returns the optimizer wrapped as Accelerate wraps optimizers (``step()`` and ``zero_grad()`` act only
-when ``accelerator.sync_gradients``; ``ZeroOptimizer``'s own methods pass through), prepares the other objects (data loaders, schedulers) with
-``accelerator.prepare``, and registers ``save_state``/``load_state`` hooks that save and load the
+when ``accelerator.sync_gradients``; ``ZeroOptimizer``'s own methods pass through), prepares the other
+objects (data loaders, schedulers) with ``accelerator.prepare``, and registers ``save_state``/``load_state``
+hooks that save and load the
 model and optimizer with :func:`zero.save_checkpoint` and :func:`zero.load_checkpoint` in
 ``OUTPUT_DIR/zero_checkpoint``. The model is never passed to ``accelerator.prepare``: Accelerate
 would wrap it in DDP, and its ``save_state`` would gather a stage-3 model's ``state_dict`` on rank 0.

@@ -79,7 +79,8 @@ class ZeroTrainer(Trainer):
                     "optimizers=(optimizer, None) and set lr_scheduler_type in TrainingArguments, or build both on a "
                     "ZeroOptimizer"
                 )
-            wrapped = plain if isinstance(plain, ZeroOptimizer) else ZeroOptimizer(plain, self.model, config=self.zero_config)
+            wrapped = (plain if isinstance(plain, ZeroOptimizer)
+                       else ZeroOptimizer(plain, self.model, config=self.zero_config))
             if wrapped.module is not self.model:
                 raise ValueError("the ZeroOptimizer passed in optimizers= wraps another model than the Trainer's")
             self.zero_optimizer = self.optimizer = wrapped

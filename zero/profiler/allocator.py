@@ -100,7 +100,8 @@ class CpuAllocator(Allocator):
         events = self._events()
         markers = sum(1 for e in events if e[1] == 1)
         if markers != len(samples):
-            raise RuntimeError(f"zero.profile: found {markers} sample marks in the profiler's record for {len(samples)} samples")
+            raise RuntimeError(f"zero.profile: found {markers} sample marks in the profiler's record "
+                               f"for {len(samples)} samples")
         reused = _entries_reused(events, entries)
         # Note: a block freed on one of gloo's worker threads (the last reference to a collective's
         # buffer can die there) is not reported: the profiler does not watch that thread outside the

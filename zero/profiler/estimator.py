@@ -35,7 +35,7 @@ from zero.memory import CATEGORIES
 from zero.precision import DTYPES, MixedPrecision
 from zero.profiler.schedule import Options, replay
 from zero.profiler.workload import POLICIES, Checkpointing, Workload, policy_key
-from zero.sizes import format_bytes, parse_size  # parse_size: zero.profiler's, the one parser of sizes
+from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported for zero.profiler
 from zero.units import plan_units
 
 STAGES = (0, 1, 2, 3)
@@ -250,8 +250,9 @@ def estimate(
     ``"mixed"`` (the ZeRO paper's: bf16 parameters, gradients and reduction, fp32 master weights,
     ``ZeroConfig(precision={"param_dtype": "bf16", "reduce_dtype": "bf16"})``) or ``"mixed-fp32-reduce"``
     (``ZeroConfig(precision={"param_dtype": "bf16"})``: gradients reduced and kept in fp32).
-    ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList`` (``ZeroConfig(activation_checkpointing={})``),
-    or a policy as ``ZeroConfig.activation_checkpointing`` takes it (a dict or :class:`zero.ActivationCheckpointing`);
+    ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList``
+    (``ZeroConfig(activation_checkpointing={})``), or a policy as ``ZeroConfig.activation_checkpointing`` takes it
+    (a dict or :class:`zero.ActivationCheckpointing`);
     ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``); ``no_sync``: gradient
     accumulation with earlier micro-batches under ``opt.no_sync()`` (the Trainer's and Accelerate's way), which
     keeps the gradients whole until the last micro-batch's backward reduces them (at stages 2-3 too).

@@ -53,7 +53,8 @@ def table(tracker: "MemoryTracker") -> str:
         f"{peak.module or 'outside modules'}: {describe_event(peak.event)}",
     ]
     if tracker.allocator.peak > peak.allocated:
-        lines.append(f"  (the allocator's maximum, inside an operator after that sample: {tracker.allocator.peak / MiB:.2f} MiB)")
+        lines.append(f"  (the allocator's maximum, inside an operator after that sample: "
+                     f"{tracker.allocator.peak / MiB:.2f} MiB)")
     lines += ["", f"{'category':<18}{'at peak':>12}{'between steps':>15}{'max':>12}   (MiB)"]
     for c in CATEGORIES:
         at_rest = f"{rest.categories[c] / MiB:>15.2f}" if rest is not None else f"{'-':>15}"
@@ -62,7 +63,8 @@ def table(tracker: "MemoryTracker") -> str:
     unexplained = f"{rest.unexplained / MiB:>15.2f}" if rest is not None else f"{'-':>15}"
     lines.append(f"{'unexplained':<18}{peak.unexplained / MiB:>12.2f}{unexplained}{worst.unexplained / MiB:>12.2f}")
     total_rest = f"{rest.allocated / MiB:>15.2f}" if rest is not None else f"{'-':>15}"
-    lines.append(f"{'allocator total':<18}{peak.allocated / MiB:>12.2f}{total_rest}{tracker.allocator.peak / MiB:>12.2f}")
+    lines.append(f"{'allocator total':<18}{peak.allocated / MiB:>12.2f}{total_rest}"
+                 f"{tracker.allocator.peak / MiB:>12.2f}")
     lines += ["", "at the peak, by label:"]
     for label, nbytes in sorted(peak.labels.items(), key=lambda x: -x[1]):
         if nbytes >= 0.001 * peak.allocated:
@@ -72,7 +74,8 @@ def table(tracker: "MemoryTracker") -> str:
         lines += ["", "at the peak, by module (what it created or gathered):"]
         lines += [f"  {m:<44}{b / MiB:>10.2f}" for m, b in modules]
     share = abs(worst.unexplained) / max(tracker.allocator.peak, 1)
-    lines += ["", f"largest unexplained: {worst.unexplained:+,} bytes ({share:.2%} of the peak) at sample {worst.index} ({describe_event(worst.event)})"]
+    lines += ["", f"largest unexplained: {worst.unexplained:+,} bytes ({share:.2%} of the peak) "
+                  f"at sample {worst.index} ({describe_event(worst.event)})"]
     return "\n".join(lines)
 
 
@@ -280,7 +283,8 @@ def figure(tracker: "MemoryTracker", **title: Any) -> Any:
     bars.tick_params(axis="y", labelsize=8)
     bars.grid(axis="x", alpha=0.3)
     # one key for the colors of both panels, under them
-    handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in present or any(r[c] for _, r in rows)]
+    handles = [Patch(color=CATEGORY_COLORS[c], label=c)
+               for c in CATEGORIES if c in present or any(r[c] for _, r in rows)]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False,
                title="category (both panels)", title_fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))

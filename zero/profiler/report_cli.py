@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from zero.cli_types import whole_number, whole_number_range
+from zero.memory import CATEGORIES
 from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 from zero.offload import available_host_bytes
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import sources
-from zero.memory import CATEGORIES
 from zero.profiler.estimator import Estimate, estimate
 from zero.profiler.tracker import Sample, profile
 from zero.sizes import format_bytes, format_count
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences per rank, {whole_number_range(*MICRO_BATCHES)} (default 4)")
     add_gpt_arguments(parser, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     parser.add_argument("--coarse", action="store_true",
-                        help="sample only at module boundaries, gradients and steps (faster; the peak's breakdown is approximate)")
+                        help="sample only at module boundaries, gradients and steps "
+                             "(faster; the peak's breakdown is approximate)")
     parser.add_argument("--json", type=str, default=None, metavar="FILE",
                         help="write rank 0's report and timeline to this file")
     parser.add_argument("--plot", type=str, default=None, metavar="FILE",
@@ -142,7 +143,8 @@ def _run_rank(args: argparse.Namespace) -> int:
     say(f"  reconciling with the allocator ({time.perf_counter() - start:.1f}s)", flush=True)
     peaks = opt.comm.all_gather_object((prof.allocator.peak, prof.peak.phase, prof.peak.module))
     say("\n" + prof.report())
-    say("\nper rank: " + ", ".join(f"rank {r} {p / MiB:.2f} MiB ({ph}, {m or '-'})" for r, (p, ph, m) in enumerate(peaks)))
+    say("\nper rank: " + ", ".join(f"rank {r} {p / MiB:.2f} MiB ({ph}, {m or '-'})"
+                                   for r, (p, ph, m) in enumerate(peaks)))
     e = estimate(sources.gpt(cfg), stage=args.stage, world_size=world, micro_batch=args.micro_batch)
     measured = prof.allocator.peak_without_collectives
     say(f"estimated peak (zero estimate): {e.peak / MiB:.2f} MiB ({e.phase}, {e.event}); measured without gloo's "

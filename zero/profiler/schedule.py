@@ -246,7 +246,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     if options.offload:
         host = master + state + sum(b.grad_shard for b in buckets)
         master, state = 0, 0.0
-    params_static = (sum(b.shard for b in layout.buckets) if layout.stage == 3 else sum(b.whole for b in layout.buckets))
+    params_static = (sum(b.shard for b in layout.buckets) if layout.stage == 3
+                     else sum(b.whole for b in layout.buckets))
     params_static += layout.frozen
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
     reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged else None

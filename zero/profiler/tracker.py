@@ -43,7 +43,6 @@ from zero.profiler.storages import EntryStorage, Origin, SavedStorage, SavedTens
 from zero.weak import weak_hook
 
 
-
 @dataclass
 class Sample:
     """Live bytes at one point of the run."""
@@ -129,7 +128,8 @@ class MemoryTracker:
         if not isinstance(model, nn.Module):
             raise ValueError(f"zero.profile needs the model (an nn.Module), got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"zero.profile's optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise ValueError(f"zero.profile's optimizer must be a torch.optim.Optimizer, "
+                             f"got {type(optimizer).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.every_op = every_op

@@ -82,7 +82,8 @@ class Workload:
 
     def model(self, precision: str = "fp32", checkpointing: Checkpointing = False) -> nn.Module:
         """The fake model, cast as ``ZeroOptimizer`` casts it under ``precision`` and checkpointed by the policy
-        ``checkpointing`` (``True``: every block of its ``nn.ModuleList``, ``ZeroConfig(activation_checkpointing={})``)."""
+        ``checkpointing`` (``True``: every block of its ``nn.ModuleList``,
+        ``ZeroConfig(activation_checkpointing={})``)."""
         key = (precision, policy_key(checkpointing))
         if key not in self._models:
             with _explained("building the model"):

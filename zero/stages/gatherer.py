@@ -57,11 +57,11 @@ from torch import nn
 
 from zero.bucket import Bucket
 from zero.comm import Communicator, Handle
+from zero.outputs import tensors_in
 from zero.stages.backward_pass import BackwardPass
 from zero.stages.post_backward import hook_input_gradients
 from zero.stages.saved_params import SavedParamCheck
 from zero.stages.stage3 import Stage3
-from zero.outputs import tensors_in
 from zero.units import UnitSpec
 from zero.weak import weak_hook
 

@@ -21,8 +21,9 @@ Life of one backward pass:
    the user registered after ours have run on it first.
 3. Buckets are launched strictly in bucket order, each as soon as it and every bucket
    before it are ready: the stage collects its gradients into the buffer to reduce
-   (``stage.collect``), then starts the collective (``stage.launch_reduce``). Note: the order is what keeps ranks in step. Collectives are
-   matched by the order in which ranks issue them, so a bucket that is complete early
+   (``stage.collect``), then starts the collective (``stage.launch_reduce``). Note: the order
+   is what keeps ranks in step. Collectives are matched by the order in which ranks issue
+   them, so a bucket that is complete early
    on one rank (its parameters all used) but late on another (one of them unused there)
    still goes out in the same position everywhere.
 4. At most ``max_in_flight`` reductions are outstanding; launching one more first
@@ -59,7 +60,6 @@ from zero.loss_scaler import LossScaler
 from zero.stages.backward_pass import BackwardPass
 from zero.stages.stage0 import Stage0
 from zero.weak import weak_hook
-
 
 _AGREE_MOD = 2**31 - 1  # values compared across ranks ride in int32 flags
 
