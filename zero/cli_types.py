@@ -9,8 +9,7 @@ Each option's help states its range too (:func:`whole_number_range` and the like
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Callable
+from typing import Any, Callable
 
 from zero.sizes import SIZE_SYNTAX, GiB, parse_size, quoted, size_range
 
@@ -19,19 +18,7 @@ SIZE_HELP = f"a bare number is GiB; or give a unit: {SIZE_SYNTAX}"
 
 def whole_number(low: int, high: int) -> Callable[[str], int]:
     """An argparse ``type``: a whole number from ``low`` to ``high`` (inclusive)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also a number too long for int() (over 4300 digits)
-            value = None
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"expected a whole number {whole_number_range(low, high)}, got {quoted(text)}"
-            )
-        return value
-
-    return parse
+    return _ranged(int, lambda v: low <= v <= high, f"a whole number {whole_number_range(low, high)}")
 
 
 def whole_number_range(low: int, high: int) -> str:
@@ -40,20 +27,8 @@ def whole_number_range(low: int, high: int) -> str:
 
 
 def real_number(above: float, high: float) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number greater than ``above`` and at most ``high``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not above < value <= high:  # nan and inf fail here too
-            raise argparse.ArgumentTypeError(
-                f"expected a number {real_number_range(above, high)}, got {quoted(text)}"
-            )
-        return value
-
-    return parse
+    """An argparse ``type``: a finite number greater than ``above`` and at most ``high`` (nan and inf fail)."""
+    return _ranged(float, lambda v: above < v <= high, f"a number {real_number_range(above, high)}")
 
 
 def real_number_range(above: float, high: float) -> str:
@@ -65,16 +40,21 @@ def memory_size(low: int, high: int) -> Callable[[str], int]:
     """An argparse ``type``: bytes from ``24`` (GiB: a bare number is never bytes), ``24GiB``, ``80G``
     (binary, like ``free -g``), ``80GB`` (decimal) or ``512MiB`` (:func:`zero.sizes.parse_size`), from ``low``
     to ``high`` bytes."""
+    return _ranged(lambda text: parse_size(text, bare_unit=GiB), lambda v: low <= v <= high,
+                   f"a size {size_range(low, high)} ({SIZE_HELP})")
 
-    def parse(text: str) -> int:
+
+def _ranged(convert: Callable[[str], Any], accepts: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """``convert(text)`` if it succeeds and ``accepts`` the value, else an argparse error: "expected ..., got ..."
+    (a number too long for ``int()``, over 4300 digits, is a ``ValueError`` too)."""
+
+    def parse(text: str) -> Any:
         try:
-            value = parse_size(text, bare_unit=GiB)
+            value = convert(text)
         except ValueError:
             value = None
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"expected a size {size_range(low, high)} ({SIZE_HELP}), got {quoted(text)}"
-            )
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {quoted(text)}")
         return value
 
     return parse

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from zero.checkpoint_files import Checkpoint
 from zero.checkpoint_schema import summary
 from zero.precision import DTYPES
 from zero.progress import Progress, ProgressArg
+from zero.sizes import parse_size
 from zero.tensorfile import Spec
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -68,7 +68,7 @@ def consolidate(
     """
     out = Path(out)
     cast = _dtype(dtype)
-    limit = parse_size(max_shard_size)
+    limit = shard_size_bytes(max_shard_size)
     with Checkpoint(checkpoint) as ckpt:
         aliases = ckpt.meta.aliases
 
@@ -280,16 +280,18 @@ def _aliases(metadata: dict[str, str], file: Path) -> dict[str, str]:
 # ----- arguments -------------------------------------------------------------------------------------------
 
 
-def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB``, ``500MB``, ``2GiB`` or an int (Hugging Face's spelling: GB = 10^9)."""
+def shard_size_bytes(size: int | str) -> int:
+    """Bytes of ``max_shard_size``: an int, or a size read by :func:`zero.sizes.parse_size` (``5GB`` is
+    Hugging Face's 5 × 10⁹ bytes, ``2GiB`` binary)."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*", str(size), re.IGNORECASE)
-    if not match:
+    try:
+        value = parse_size(size) if isinstance(size, str) else 0
+    except ValueError:
+        value = 0
+    if value < 1:
         raise ValueError(f"max_shard_size {size!r}: give bytes (an int) or a size such as '5GB' or '500MB'")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    scale = 1024 if "I" in unit else 1000
-    return max(1, int(number * scale ** "KMGT".index(unit[0]) * scale))
+    return value
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -32,7 +32,7 @@ from zero.precision import (
     check_device_supports,
     full_precision_parameters,
 )
-from zero.release import ModelRelease, take_back_orphans
+from zero.release import ModelRelease, gather_dropped_shards
 from zero.stages import Stage3, make_stage
 from zero.stages.gatherer import ParamGatherer
 from zero.stages.reducer import GradReducer, GradState
@@ -104,7 +104,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device=_model_device(model, device),
             force_collectives=self.config.force_collectives,
         )
-        take_back_orphans(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.release)
+        gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.release)
         precision = self.config.precision
         check_device_supports(precision, self.comm.device)
         self.zero_stage = make_stage(self.config.stage, precision)
@@ -186,8 +186,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         first_forward = torch.compiler.disable(weak_hook(self._before_first_forward))  # (it reads the call stack)
         self._first_forward_hook = model.register_forward_pre_hook(first_forward)
         hooks.append(self._first_forward_hook)
-        sharded = list(self.buckets) if self._gatherer is not None else []
-        self._release = ModelRelease(hooks, self.buckets, sharded, self.zero_stage, self.comm)
+        sharded = self._gatherer is not None
+        self._release = ModelRelease(hooks, self.buckets, self.zero_stage, self.comm, sharded=sharded)
         finalizer = weakref.finalize(self, self._release.dropped)
         finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
         self.comm.stats.end_step()  # construction traffic is not a step's

@@ -27,11 +27,10 @@ from zero.comm import Communicator
 class ModelRelease:
     """What one optimizer must undo on the model: its hooks and (stage 3) the sharding of its parameters."""
 
-    def __init__(self, hooks: list[Any], buckets: list[Bucket], sharded: list[Bucket], stage: Any,
-                 comm: Communicator):
+    def __init__(self, hooks: list[Any], buckets: list[Bucket], stage: Any, comm: Communicator, *, sharded: bool):
         self.hooks = hooks  # RemovableHandles
         self.buckets = buckets
-        self.sharded = sharded  # stage-3 buckets (trainable and frozen); empty at stages 0-2
+        self.sharded = buckets if sharded else []  # stage 3's buckets (trainable and frozen) are sharded
         self.stage = stage
         self.comm = comm
         self.done = False
@@ -57,7 +56,7 @@ class ModelRelease:
             return
         for bucket in self.sharded:
             for slot in bucket.slots:
-                slot.param._zero_orphan = self
+                slot.param._zero_dropped_by = self
 
     def remove_hooks(self) -> None:
         for handle in self.hooks:
@@ -75,18 +74,18 @@ class ModelRelease:
                 param.__class__ = nn.Parameter
                 with torch.no_grad():
                     param.data = whole
-                for attr in ("_zero_name", "_zero_sharded", "_zero_owner", "_zero_orphan"):
+                for attr in ("_zero_name", "_zero_sharded", "_zero_owner", "_zero_dropped_by"):
                     param.__dict__.pop(attr, None)
             bucket.param_buffer.free()
         self.done = True
 
 
-def take_back_orphans(model: nn.Module) -> None:
+def gather_dropped_shards(model: nn.Module) -> None:
     """Before a new optimizer is built over ``model``: gather the parameters that a dropped stage-3
     optimizer left sharded (every rank builds the new optimizer, so every rank gathers)."""
     releases: dict[int, ModelRelease] = {}
     for p in model.parameters():
-        release = p.__dict__.get("_zero_orphan")
+        release = p.__dict__.get("_zero_dropped_by")
         if release is not None:
             releases.setdefault(id(release), release)
     for release in releases.values():  # in the order of the model's parameters: the same on every rank

@@ -100,7 +100,7 @@ def _refuse(param: ZeroParameter, func) -> None:
     if name in METADATA:
         return
     refuse_if_ddp_is_building()
-    if "_zero_orphan" in param.__dict__:
+    if "_zero_dropped_by" in param.__dict__:
         raise RuntimeError(
             f"zero: parameter {param._zero_name!r} is still sharded across ranks (stage 3): the ZeroOptimizer that "
             "sharded it was dropped without close(), and gathering needs every rank at once. Build a new "

@@ -21,7 +21,7 @@ from tests.checkpoints import rewrite_metadata
 from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, flat_params, make_optimizer
 from zero import tree
 from zero.checkpoint_files import METADATA, Checkpoint
-from zero.consolidate import parse_size
+from zero.consolidate import shard_size_bytes
 from zero.models import GPT, synthetic_batch
 
 MIXED = {"param_dtype": "bf16"}
@@ -312,11 +312,13 @@ def test_consolidate_cli(tmp_path):
     assert bad.returncode == 2 and "no checkpoint at" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1.5MB") == 1_500_000
-    assert parse_size(1234) == 1234
-    with pytest.raises(ValueError, match="max_shard_size"):
-        parse_size("lots")
+def test_shard_size_bytes():
+    assert shard_size_bytes("5GB") == 5 * 10**9 and shard_size_bytes("2GiB") == 2 * 2**30
+    assert shard_size_bytes("1.5MB") == 1_500_000
+    assert shard_size_bytes(1234) == 1234
+    for bad in ("lots", "0KB", 0, True):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            shard_size_bytes(bad)
 
 
 def test_hugging_face_gpt2_export_loads_with_from_pretrained(tmp_path):

@@ -129,7 +129,6 @@ class ParamGatherer:
         self._pass = BackwardPass()
         self._fingerprint = 0
         self._saved_check = SavedParamCheck(weak_hook(self._units_of_storage))
-        self._checking: list[bool] = []  # per unit forward running: whether it installed the saved-tensor check
         self.hooks = []
         for unit in self.units:
             # Under torch.compile the hooks run eagerly (a graph break each): they gather, release and
@@ -215,12 +214,9 @@ class ParamGatherer:
     def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         unit = self.units[index]
         functorch = _in_functorch()
-        checking = torch.is_grad_enabled() and not _in_backward() and not functorch
-        self._checking.append(checking)  # (first: _forward_done pops it even if this hook fails)
+        self._saved_check.enter(torch.is_grad_enabled() and not _in_backward() and not functorch)
         if functorch:
             raise RuntimeError(_NO_FUNCTORCH)
-        if checking:
-            self._saved_check.enter()
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
             self.wait(unit)
             return None
@@ -270,8 +266,7 @@ class ParamGatherer:
 
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
         """After every unit forward, also one that raised: remove the saved-tensor check it installed."""
-        if self._checking and self._checking.pop():
-            self._saved_check.exit()
+        self._saved_check.exit()
 
     def _units_of_storage(self) -> dict[int, Unit]:
         """The unit of each parameter buffer's storage (the saved-tensor check's lookup)."""

@@ -42,18 +42,23 @@ class SavedParamCheck:
 
     def __init__(self, units_of_storage: Callable[[], dict[int, Checked]]):
         self._units_of_storage = units_of_storage  # storage id -> unit, of the buffers gathered now
-        self._depth = 0
+        self._calls: list[bool] = []  # per unit forward running: whether it counts (records with autograd)
+        self._depth = 0  # of those that count
 
-    def enter(self) -> None:
-        """A unit's forward starts: install the hooks unless installed already."""
-        self._depth += 1
-        if self._depth == 1:
-            pack, unpack = _hooks(self._units_of_storage(), torch._C._autograd._top_saved_tensors_default_hooks(True))
-            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    def enter(self, records: bool) -> None:
+        """A unit's forward starts (``records``: autograd records it: grad mode, not a recomputation in
+        backward); the outermost one that records installs the hooks. Call first in the pre-hook, so that
+        :meth:`exit` (an ``always_call`` forward hook) always has its match."""
+        self._calls.append(records)
+        if records:
+            self._depth += 1
+            if self._depth == 1:
+                outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+                torch._C._autograd._push_saved_tensors_default_hooks(*_hooks(self._units_of_storage(), outer))
 
     def exit(self) -> None:
         """The matching forward ended (also by an error)."""
-        if self._depth > 0:
+        if self._calls and self._calls.pop():
             self._depth -= 1
             if self._depth == 0:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
