@@ -20,7 +20,7 @@ def _params(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
         return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
-def _with_skipped_steps(stage: int | None) -> tuple[torch.Tensor, list[float], list[float]]:
+def _with_skipped_steps(stage: int | None, clear: str = "opt") -> tuple[torch.Tensor, list[float], list[float]]:
     """Train with SGD and a StepLR; every third step is `zero_grad(); step()` with no backward
     (torch: nothing updated, the scheduler still steps). Returns parameters, learning rates and the clip
     norms of the skipped steps."""
@@ -31,7 +31,7 @@ def _with_skipped_steps(stage: int | None) -> tuple[torch.Tensor, list[float], l
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     lrs, norms = [], []
     for step in range(7):
-        opt.zero_grad()
+        model.zero_grad() if clear == "model" else opt.zero_grad()  # (the Trainer clears through the model)
         if step % 3 == 2:
             clip = opt.clip_grad_norm_ if stage is not None else torch.nn.utils.clip_grad_norm_
             norms.append(float(clip(1.0) if stage is not None else clip(model.parameters(), 1.0)))
@@ -44,10 +44,11 @@ def _with_skipped_steps(stage: int | None) -> tuple[torch.Tensor, list[float], l
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_step_without_backward_updates_nothing_and_the_scheduler_goes_on(stage):
+@pytest.mark.parametrize("clear", ["opt", "model"])
+def test_step_without_backward_updates_nothing_and_the_scheduler_goes_on(stage, clear):
     """Peers: torch ``test_zero_redundancy_optimizer.py::test_lr_scheduler``, DeepSpeed's zero_grad variants."""
-    ref_params, ref_lrs, ref_norms = _with_skipped_steps(None)
-    params, lrs, norms = _with_skipped_steps(stage)
+    ref_params, ref_lrs, ref_norms = _with_skipped_steps(None, clear)
+    params, lrs, norms = _with_skipped_steps(stage, clear)
     assert torch.equal(params, ref_params)
     assert lrs == ref_lrs
     assert norms == ref_norms == [0.0, 0.0]
