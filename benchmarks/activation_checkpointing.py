@@ -25,8 +25,8 @@ import torch
 import zero
 from zero import ZeroOptimizer
 from zero.activations import saved_activation_bytes
+from zero.estimator.estimator import trace
 from zero.models import GPT, add_gpt_arguments, gpt_config, synthetic_batch
-from zero.profiler.estimator import trace
 
 
 def build(cfg, policy):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-from zero.profiler import Workload, estimate
+from zero.estimator import Workload, estimate
 
 VOCAB, SEQ, MICRO_BATCH = 2048, 128, 2
 

@@ -1,14 +1,15 @@
 """zero: ZeRO data parallelism for PyTorch (sharded optimizer state, gradients and parameters)."""
 
 from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
+from zero.checkpoint.consolidate import consolidate, load_consolidated
+from zero.checkpoint.portable import load_checkpoint, save_checkpoint
 from zero.config import ZeroConfig
-from zero.consolidate import consolidate, load_consolidated
+from zero.estimator import estimate
 from zero.memory import ModelStateBytes, zero_model_state_bytes
 from zero.offload import Offload
 from zero.optimizer import ZeroOptimizer, init_sharded
-from zero.portable import load_checkpoint, save_checkpoint
 from zero.precision import LossScale, MixedPrecision
-from zero.profiler import estimate, profile
+from zero.profiler import profile
 
 __version__ = "0.2.0"
 

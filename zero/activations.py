@@ -114,7 +114,7 @@ def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str
 
 def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...], selective: bool = False) -> float:
     """Peak activation bytes of one step with ``blocks`` checkpointed (``trace``: from
-    :func:`zero.profiler.estimator.trace`), the larger of two moments:
+    :func:`zero.estimator.estimator.trace`), the larger of two moments:
 
     * the end of forward: the traced total, less each checkpointed block's own activations, plus its input
       (``selective``: and its matmul outputs);
@@ -138,7 +138,7 @@ def saved_activation_bytes(trace: Any, blocks: list[str] | tuple[str, ...], sele
 
 
 def blocks_within_budget(trace: Any, budget_bytes: float) -> tuple[str, ...]:
-    """The fewest blocks (stage 3's default units, from :func:`zero.profiler.estimator.trace`) to checkpoint so
+    """The fewest blocks (stage 3's default units, from :func:`zero.estimator.estimator.trace`) to checkpoint so
     that :func:`saved_activation_bytes` fits ``budget_bytes``, checkpointing first the blocks that save the
     most (the least recomputation for the memory); a ``ValueError`` naming the minimum if none fits."""
     own = {u: b for u, b in trace.unit_activation_bytes.items() if u}  # "" is the root, never a block

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero.cli_types import whole_number, whole_number_range
+from zero.cli.types import whole_number, whole_number_range
 
 
 @dataclass(frozen=True)

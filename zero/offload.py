@@ -49,7 +49,8 @@ class Offload(BaseModel):
         False,
         strict=True,
         description="Step the host masters in a background thread during the next forward and backward "
-        "(ZeRO-Offload's one-step delayed update): faster, but not equal to synchronous training (zero.delayed).",
+        "(ZeRO-Offload's one-step delayed update): faster, but not equal to synchronous training "
+        "(zero.runtime.delayed).",
     )
 
     @model_validator(mode="after")

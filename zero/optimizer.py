@@ -10,20 +10,13 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zero import checkpoint
 from zero.activations import checkpoint_activations
-from zero.bucket import Bucket
+from zero.checkpoint import shard_header
 from zero.comm import Communicator
 from zero.config import ZeroConfig
-from zero.delayed import DelayedStep
-from zero.inner import check_optimizer, rebuild_optimizer
 from zero.kernels.grad_norm import local_norm, scale_
-from zero.loss_scaler import LossScaler
-from zero.materialize import InitFn, materialize, replace_meta_parameters
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.offload import Placement, check_host_memory, warn_unfused_host_step
-from zero.ownership import check_model, claim_parameters, managed_elsewhere
-from zero.partition import build_partition
 from zero.precision import (
     DTYPES,
     UnitInputCast,
@@ -32,14 +25,21 @@ from zero.precision import (
     check_device_supports,
     full_precision_parameters,
 )
-from zero.release import ModelRelease, gather_dropped_shards
-from zero.stages import Stage3, make_stage
-from zero.stages.gatherer import ParamGatherer
-from zero.stages.reducer import GradReducer, GradState
-from zero.stepper import BucketStepper
-from zero.units import plan_units
+from zero.runtime.bucket import Bucket
+from zero.runtime.delayed import DelayedStep
+from zero.runtime.gatherer import ParamGatherer
+from zero.runtime.inner import check_optimizer, rebuild_optimizer
+from zero.runtime.loss_scaler import LossScaler
+from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
+from zero.runtime.ownership import check_model, claim_parameters, managed_elsewhere
+from zero.runtime.partition import build_partition
+from zero.runtime.reducer import GradReducer, GradState
+from zero.runtime.release import ModelRelease, gather_dropped_shards
+from zero.runtime.stages import Stage3, make_stage
+from zero.runtime.stepper import BucketStepper
+from zero.runtime.units import plan_units
+from zero.runtime.wrappers import check_not_called_by_ddp, check_not_ddp
 from zero.weak import weak_hook
-from zero.wrappers import check_not_called_by_ddp, check_not_ddp
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -65,7 +65,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     modes) is the same as :meth:`zero_grad`, no clearing accumulates into the next step, and
     several backward passes before :meth:`step` add up. At stage 0 ``p.grad`` is the whole
     averaged gradient; at stages 1-3 no rank holds it, so ``p.grad`` is a guard
-    (:class:`zero.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
+    (:class:`zero.runtime.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
     :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``. Changing the model's
     dtype or device after wrapping is refused.
 
@@ -104,7 +104,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device=_model_device(model, device),
             force_collectives=self.config.force_collectives,
         )
-        gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.release)
+        gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
         precision = self.config.precision
         check_device_supports(precision, self.comm.device)
         self.zero_stage = make_stage(self.config.stage, precision)
@@ -434,7 +434,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage, precision and model
         (call on every rank: the parameters are then cast from the loaded master weights and shared)."""
-        checkpoint.check_loadable(state_dict, self._checkpoint_header())
+        shard_header.check_loadable(state_dict, self._checkpoint_header())
         self.flush()
         masters = [b for b in self.partition.trainable_buckets if b.master_buffer is not None]
         with torch.no_grad():
@@ -513,7 +513,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [p.slot.bucket.grad_piece(p) for p in self._pieces_in_model_order if p.slot.used_anywhere]
 
     def _check_model(self) -> None:
-        """As each backward pass starts and before a step: see :func:`zero.ownership.check_model`."""
+        """As each backward pass starts and before a step: see :func:`zero.runtime.ownership.check_model`."""
         check_model(self.module, self.buckets, whole=self._gatherer is None)
 
     def _before_backward(self) -> None:
@@ -531,7 +531,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._release_master_grads()
 
     def _before_first_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.wrappers)."""
+        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.runtime.wrappers)."""
         check_not_called_by_ddp(self.module)
         self._first_forward_hook.remove()
 
@@ -624,7 +624,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [b for b in self.buckets if any(id(s.param) in wanted for s in b.slots)]
 
     def _checkpoint_header(self) -> dict[str, Any]:
-        return checkpoint.header(
+        return shard_header.header(
             stage=self.config.stage,
             world_size=self.comm.world_size,
             rank=self.comm.rank,
@@ -664,7 +664,7 @@ def init_sharded(
 
     ``build_fn()`` runs under ``torch.device("meta")``; ``make_optimizer(model)`` builds the
     optimizer over its parameters; each rank then initializes its shards one module at a time
-    with the model's own ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.materialize`
+    with the model's own ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.runtime.materialize`
     for when that equals building the model normally with the same seed; every rank must use
     the same seed). Returns ``(model, optimizer)``::
 

@@ -23,8 +23,8 @@ def main(seq_len: int) -> None:
 
     dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
     import zero
+    from zero.estimator import Workload, estimate
     from zero.models import GPT, GPTConfig, init_gpt_weights
-    from zero.profiler import Workload, estimate
 
     cfg = GPTConfig(vocab_size=50304, seq_len=seq_len, d_model=2048, num_layers=20, num_heads=16)
     tokens = lambda micro: (torch.zeros(micro, seq_len, dtype=torch.long),)  # noqa: E731

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
+from zero.estimator import Workload, estimate
 from zero.models import GPT, GPTConfig
-from zero.profiler import Workload, estimate
 
 MICRO_BATCHES = (2, 4)
 STAGES = (0, 1, 2, 3)

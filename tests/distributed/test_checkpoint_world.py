@@ -17,7 +17,7 @@ from tests.distributed.checkpoint_world import MODELS, killed_mid_save, resume_w
 from tests.distributed.harness import run_world, run_world_outcomes
 from tests.distributed.worlds import build_model
 from zero import load_checkpoint
-from zero.checkpoint_files import Checkpoint
+from zero.checkpoint.files import Checkpoint
 
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-4

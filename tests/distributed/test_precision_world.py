@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.precision_world import STAGES
-from zero.profiler.estimator import model_states
+from zero.estimator.estimator import model_states
 
 REDUCE = (None, "bf16")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zero
+from zero.estimator import estimate, trace
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.profiler import estimate, trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -8,8 +8,8 @@ import torch
 
 from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
+from zero.estimator.estimator import model_states
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.profiler.estimator import model_states
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,7 +10,7 @@ from tests.gpu.common import train
 from zero import ZeroOptimizer
 from zero.kernels.reference import adamw_reference
 from zero.models import GPT, GPTConfig
-from zero.stepper import triton_available
+from zero.runtime.stepper import triton_available
 
 pytestmark = [
     pytest.mark.gpu,

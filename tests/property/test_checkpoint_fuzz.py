@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import zero
 from tests.checkpoints import METADATA, Tiny, rewrite_metadata, same, step, tiny, weights
-from zero.cli import main as cli
+from zero.cli.main import main as cli
 
 CHECKPOINT_FILES = [METADATA, "metadata.json.sha256", "part-00000-of-00001.safetensors"]
 EXTRA = {"epoch": 1, "rng": torch.arange(5, dtype=torch.int16)}

@@ -12,8 +12,8 @@ import zero
 from tests.toy import DropoutNet, batch
 from zero import ActivationCheckpointing, ZeroConfig, ZeroOptimizer, blocks_within_budget, checkpoint_activations
 from zero.activations import chosen_blocks, saved_activation_bytes
+from zero.estimator.estimator import trace
 from zero.models import GPT, GPTConfig
-from zero.profiler.estimator import trace
 
 POLICIES = [{}, {"every": 2}, {"selective": True}, {"offload_inputs": True}, {"classes": ["DropoutBlock"]}]
 
@@ -102,7 +102,7 @@ def test_the_estimator_prices_a_policy_by_its_blocks():
     its activations at the peak never exceed what the forward census says the policy keeps."""
     cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_layers=4, num_heads=2)
     x = torch.zeros(4, cfg.seq_len, dtype=torch.long)
-    work = zero.profiler.Workload(lambda: GPT(cfg), lambda m, a, b: m.loss(a, b), lambda micro: (x[:micro], x[:micro]))
+    work = zero.estimator.Workload(lambda: GPT(cfg), lambda m, a, b: m.loss(a, b), lambda micro: (x[:micro], x[:micro]))
     peak = lambda policy: zero.estimate(work, stage=2, world_size=1, micro_batch=4, checkpointing=policy)  # noqa: E731
     every, half, none = peak(True), peak(ActivationCheckpointing(every=2)), peak(False)
     assert peak({}).peak == every.peak < half.peak < none.peak

@@ -20,7 +20,7 @@ import torch
 
 import zero
 from tests.checkpoints import CHECKSUM, METADATA, loaded, rewrite_header, rewrite_metadata, same, step, tiny, weights
-from zero.cli import main as cli
+from zero.cli.main import main as cli
 
 PART = "part-00000-of-00001.safetensors"
 

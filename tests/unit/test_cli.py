@@ -14,12 +14,13 @@ import torch
 
 import zero
 from zero import ZeroConfig, ZeroOptimizer
-from zero.cli import build_parser, main
-from zero.cli_types import memory_size
+from zero.cli import estimate as estimate_cli
+from zero.cli import report as report_cli
+from zero.cli.main import build_parser, main
+from zero.cli.types import memory_size
+from zero.estimator.estimator import PRECISIONS, Precision
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.precision import MixedPrecision
-from zero.profiler import estimate_cli, report_cli
-from zero.profiler.estimator import PRECISIONS, Precision
 from zero.sizes import format_bytes, format_count
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def _no_launch(monkeypatch):
         raise AssertionError("ranks were launched")
 
     monkeypatch.setattr(report_cli, "launch_ranks", launch)
-    monkeypatch.setattr("zero.demo.launch_ranks", launch)
+    monkeypatch.setattr("zero.cli.demo.launch_ranks", launch)
 
 
 def _usage_error(capsys, argv: list[str]) -> str:

@@ -15,10 +15,10 @@ import torch
 
 import zero
 from zero import zero_model_state_bytes
-from zero.cli import build_parser
-from zero.cli import main as cli_main
+from zero.cli.main import build_parser
+from zero.cli.main import main as cli_main
+from zero.estimator import Workload, estimate, model_states, parse_size, plan, sources, trace
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.profiler import Workload, estimate, model_states, parse_size, plan, sources, trace
 from zero.sizes import format_bytes, format_count
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
@@ -332,7 +332,7 @@ def test_a_model_not_called_the_hugging_face_way_is_told_how_it_is_called(capsys
     code, _, err = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:nano_gpt")
     assert code == 2 and err.count("\n") == 1 and err.startswith("zero estimate: NanoGPTStyle.forward(idx")
     assert "does not take input_ids= and labels=" in err and "model(input_ids=ids, labels=ids)" in err
-    assert "zero.profiler.Workload(build, loss, batch)" in err and "data-dependent" not in err
+    assert "zero.estimator.Workload(build, loss, batch)" in err and "data-dependent" not in err
     code, out, _ = _estimate_cli(capsys, "--model", "tests.unit.test_estimator:nano_gpt_workload")  # the fix it names
     assert code == 0 and "fits, best first" in out
 

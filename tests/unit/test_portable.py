@@ -19,9 +19,9 @@ from torch import nn
 import zero
 from tests.checkpoints import rewrite_metadata
 from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, flat_params, make_optimizer
-from zero import tree
-from zero.checkpoint_files import METADATA, Checkpoint
-from zero.consolidate import shard_size_bytes
+from zero.checkpoint import tree
+from zero.checkpoint.consolidate import shard_size_bytes
+from zero.checkpoint.files import METADATA, Checkpoint
 from zero.models import GPT, synthetic_batch
 
 MIXED = {"param_dtype": "bf16"}

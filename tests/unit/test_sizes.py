@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero.profiler import parse_size as profiler_parse_size
+from zero.estimator import parse_size as profiler_parse_size
 from zero.sizes import format_bytes, format_count, parse_size
 
 

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import zero
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
-from zero.stages.gatherer import UnitState
+from zero.runtime.gatherer import UnitState
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=4, num_heads=2)
 

@@ -41,9 +41,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
+from zero.checkpoint.portable import load_checkpoint, save_checkpoint
 from zero.integrations import CHECKPOINT_DIR, WeakNoSync
 from zero.optimizer import ZeroOptimizer
-from zero.portable import load_checkpoint, save_checkpoint
 
 
 def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others: Any,

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from zero.checkpoint.consolidate import consolidate
+from zero.checkpoint.portable import load_checkpoint, save_checkpoint
 from zero.config import ZeroConfig
-from zero.consolidate import consolidate
 from zero.integrations import CHECKPOINT_DIR, WeakNoSync
 from zero.optimizer import ZeroOptimizer
-from zero.portable import load_checkpoint, save_checkpoint
 
 
 class ZeroTrainer(Trainer):

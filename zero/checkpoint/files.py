@@ -1,0 +1,262 @@
+"""The portable checkpoint on disk: one directory, read back at any world size and stage.
+
+Layout (``zero.checkpoint/2``)::
+
+    CHECKPOINT/
+      metadata.json                          what is where, the run that saved it, checksums
+      metadata.json.sha256                   the SHA-256 of metadata.json (``sha256sum -c`` format)
+      part-00000-of-00003.safetensors        what rank 0 wrote (safetensors layout, ``zero.checkpoint.tensorfile``)
+      part-00001-of-00003.safetensors
+      ...
+
+Each tensor of the model's ``state_dict`` is recorded by name with its shape and saved dtype, and as
+a list of *pieces*, 1D ranges of the flattened tensor: ``[file, start, numel, value key, {optimizer
+state name: key}]``. A piece is what one rank owned when it saved (a chunk of a bucket at stages
+1-3, a whole bucket's parameter at stage 0, a whole frozen parameter or buffer); its optimizer state
+(``exp_avg``, ``step``, ...) lies beside it, 1D of the piece's length or 0-dim. Loading reads, for
+each range a rank owns now, the intersecting ranges of the saved pieces: any world size, any stage.
+Tied parameters are stored once, under their first name, with their other names in ``aliases``.
+
+**What opening one verifies** (:class:`Checkpoint`, before anything is allocated or loaded): the
+SHA-256 of ``metadata.json`` against ``metadata.json.sha256`` (another file: no single edit can
+change the metadata and its checksum together); the metadata against its schema
+(:mod:`zero.checkpoint.schema`: types, ranges, and every entry, piece and name consistent with
+the others); each part's size against the recorded one; and each part's own safetensors header
+(itself checked against the SHA-256 written in it) against the metadata's entries, CRCs included.
+The bytes a load reads are then checked against their CRC-32s (:meth:`Checkpoint.verify`, or
+``read(check=True)``). ``metadata.json`` is written last: a directory without it is an
+unfinished save (see :mod:`zero.checkpoint.directory`).
+
+File names come only from the schema's ``part-RRRRR-of-WWWWW.safetensors``, so nothing outside the
+directory is ever named. A part that is a symlink is followed: whoever can make links in the
+directory can write its files too, and every byte read through it is checked all the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import torch
+from pydantic import ValidationError
+
+from zero.checkpoint import tensorfile
+from zero.checkpoint.directory import CHECKSUM, METADATA, resolve
+from zero.checkpoint.schema import FORMAT, CheckpointMetadata, TensorRecord, entries_of, summary
+from zero.checkpoint.tensorfile import numel_of
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    file: int
+    start: int
+    numel: int
+    value: str  # key of its values
+    state: dict[str, str]  # optimizer state name -> key
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+class Checkpoint:
+    """An opened checkpoint directory, every check of the module docstring passed (the tensors' CRCs are
+    checked as they are read or verified)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = resolve(path)
+        self.meta = read_metadata(self.path)
+        self.files = [self.path / f.name for f in self.meta.files]
+        self.entries = [entries_of(f) for f in self.meta.files]
+        self.tensors: dict[str, TensorRecord] = self.meta.tensors
+        self.pieces = {name: [SavedPiece(*p) for p in t.pieces] for name, t in self.tensors.items()}
+        self._handles: dict[int, BinaryIO] = {}
+        self._maps: dict[int, mmap.mmap] = {}
+        try:
+            for index, (file, record) in enumerate(zip(self.files, self.meta.files)):
+                self._check_part(index, file, record.bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_part(self, index: int, file: Path, recorded: int) -> None:
+        """The part is there, of the recorded size, and its own header describes the entries the metadata lists."""
+        if not file.is_file():
+            raise ValueError(f"{file} is missing: this checkpoint lacks a rank's part "
+                             f"(saved by {len(self.files)} ranks)")
+        size = file.stat().st_size
+        if size != recorded:
+            raise ValueError(f"{file} has {size} bytes but {recorded} were written: it is truncated or damaged")
+        entries = tensorfile.read_header(self._handle(index), str(file)).entries
+        if entries != self.entries[index]:
+            differ = sorted(set(entries) ^ set(self.entries[index])) or \
+                sorted(k for k in entries if entries[k] != self.entries[index][k])
+            raise ValueError(f"{file} does not match {self.path / METADATA}: entries {differ[:3]} differ "
+                             "(dtype, shape, offset, size or CRC-32); the checkpoint is damaged")
+
+    def close(self) -> None:
+        for mapped in self._maps.values():
+            mapped.close()
+        for handle in self._handles.values():
+            handle.close()
+        self._maps.clear()
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----- reading ---------------------------------------------------------------------------------------
+
+    def overlapping(self, name: str, start: int, numel: int) -> list[SavedPiece]:
+        """The saved pieces of ``name`` that intersect elements ``[start, start + numel)``."""
+        return [p for p in self.pieces[name] if p.start < start + numel and start < p.end]
+
+    def read(self, name: str, start: int, numel: int, out: torch.Tensor, *, check: bool = False) -> None:
+        """Copy elements ``[start, start + numel)`` of saved tensor ``name`` into ``out`` (1D, any device/dtype).
+        With ``check``, the CRC of each saved piece read whole is compared with the recorded one (for readers
+        that did not :meth:`verify` first)."""
+        for piece in self.overlapping(name, start, numel):
+            lo, hi = max(start, piece.start), min(start + numel, piece.end)
+            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo),
+                                  crc=check)
+            recorded = self.entries[piece.file][piece.value].crc32
+            if check and crc is not None and crc != recorded:
+                raise ValueError(self._corrupted(piece.file, piece.value, crc, recorded))
+
+    def numel(self, name: str) -> int:
+        return numel_of(self.tensors[name].shape)
+
+    def read_whole(self, name: str, *, check: bool = True) -> torch.Tensor:
+        """Saved tensor ``name`` whole, in its saved dtype and shape (a new CPU tensor; CRCs checked)."""
+        record = self.tensors[name]
+        out = torch.empty(self.numel(name), dtype=tensorfile.DTYPES[record.dtype])
+        self.read(name, 0, out.numel(), out, check=check)
+        return out.view(record.shape)
+
+    def read_state(self, name: str, start: int, numel: int) -> dict[str, torch.Tensor]:
+        """The optimizer state of elements ``[start, start + numel)`` of ``name``: each state tensor cut to that
+        range (0-dim ones, such as ``step``, from the first piece). Empty when it was saved without state."""
+        pieces = self.overlapping(name, start, numel)
+        names = {tuple(sorted(p.state)) for p in pieces}
+        if len(names) != 1:
+            raise ValueError(f"{self.path}: the pieces of {name!r} carry different optimizer state "
+                             f"({sorted(names)}); it is damaged")
+        state: dict[str, torch.Tensor] = {}
+        for key in pieces[0].state:
+            first = self.entries[pieces[0].file][pieces[0].state[key]]
+            if first.shape == ():
+                state[key] = self._read(pieces[0].file, pieces[0].state[key], 0, 1).reshape(())
+                continue
+            out = torch.empty(numel, dtype=first.torch_dtype)
+            for piece in pieces:
+                lo, hi = max(start, piece.start), min(start + numel, piece.end)
+                self._read_into(piece.file, piece.state[key], lo - piece.start, out.narrow(0, lo - start, hi - lo))
+            state[key] = out
+        return state
+
+    def extra_keys(self) -> set[tuple[int, str]]:
+        """The ``(file, key)`` entries of the tensors set aside by :func:`zero.checkpoint.tree.encode`."""
+        return {(0, key) for key in self.entries[0] if key.startswith("x/")}
+
+    def extra_tensor(self, index: int) -> torch.Tensor:
+        """The ``index``-th tensor set aside by :func:`zero.checkpoint.tree.encode` (in rank 0's file)."""
+        entry = self.entries[0][f"x/{index}"]
+        return self._read(0, f"x/{index}", 0, entry.numel).reshape(entry.shape).clone()
+
+    # ----- verifying -------------------------------------------------------------------------------------
+
+    def keys_of(self, name: str, start: int, numel: int, state: bool) -> set[tuple[int, str]]:
+        """The ``(file, key)`` entries that reading this range (and its state) touches."""
+        keys = set()
+        for piece in self.overlapping(name, start, numel):
+            keys.add((piece.file, piece.value))
+            if state:
+                keys.update((piece.file, key) for key in piece.state.values())
+        return keys
+
+    def verify(self, keys: set[tuple[int, str]], on_bytes: Callable[[int], None] | None = None) -> None:
+        """Check the CRC-32 of every entry in ``keys``; raise a ValueError naming the file and entry on a mismatch."""
+        for file, key in sorted(keys):
+            entry = self.entries[file][key]
+            got = tensorfile.crc32_of(self._mapped(file), entry)
+            if got != entry.crc32:
+                raise ValueError(self._corrupted(file, key, got, entry.crc32))
+            if on_bytes is not None:
+                on_bytes(entry.nbytes)
+
+    def _read(self, file: int, key: str, start: int, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=self.entries[file][key].torch_dtype)
+        self._read_into(file, key, start, out)
+        return out
+
+    def _read_into(self, file: int, key: str, start: int, out: torch.Tensor, crc: bool = False) -> int | None:
+        entry = self.entries[file][key]
+        assert 0 <= start and start + out.numel() <= entry.numel, "the schema keeps every piece inside its entry"
+        return tensorfile.read_into(self._handle(file), entry, start, out, str(self.files[file]), crc=crc)
+
+    def _corrupted(self, file: int, key: str, got: int, recorded: int) -> str:
+        return (f"{self.files[file]} is corrupted: the bytes of {key!r} have CRC-32 {got:#010x} but {recorded:#010x} "
+                "was recorded when it was saved; restore the file or load an earlier checkpoint")
+
+    def _mapped(self, file: int) -> mmap.mmap:
+        if file not in self._maps:
+            self._maps[file] = mmap.mmap(self._handle(file).fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[file]
+
+    def _handle(self, file: int) -> BinaryIO:
+        if file not in self._handles:
+            self._handles[file] = open(self.files[file], "rb")
+        return self._handles[file]
+
+
+def read_metadata(directory: Path) -> CheckpointMetadata:
+    """``directory``'s metadata: its SHA-256 checked against ``metadata.json.sha256``, then its schema. Every
+    refusal is a ValueError naming the file and the cause."""
+    path, checksum = directory / METADATA, directory / CHECKSUM
+    raw = path.read_bytes()
+    if not checksum.is_file():
+        _check_format(path, raw)
+        raise ValueError(f"{checksum} is missing: without it {path} cannot be verified; the checkpoint is damaged "
+                         "(restore the file, or load an earlier checkpoint)")
+    with open(checksum, "rb") as f:
+        line = f.read(1024)
+    match = re.fullmatch(rb"([0-9a-f]{64})  " + re.escape(METADATA.encode()) + rb"\n?", line)
+    if match is None:
+        raise ValueError(f"{checksum} is damaged: it is not one line '<SHA-256 in hex>  {METADATA}'")
+    if hashlib.sha256(raw).hexdigest() != match.group(1).decode():
+        raise ValueError(f"{path} does not match the SHA-256 recorded in {checksum}: "
+                         "one of them was damaged or edited; restore it, or load an earlier checkpoint")
+    try:
+        return CheckpointMetadata.model_validate_json(raw, strict=True)
+    except ValidationError as err:
+        problem = summary(err)
+    _check_format(path, raw)
+    raise ValueError(f"{path} is damaged or was edited: {problem}")
+
+
+def _check_format(path: Path, raw: bytes) -> None:
+    """A clear error when ``raw`` is not JSON or not this format; returns when it claims to be this format."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); the checkpoint is damaged") from err
+    tag = meta.get("format") if isinstance(meta, dict) else None
+    if not isinstance(tag, str) or not tag.startswith("zero.checkpoint/"):
+        raise ValueError(f"{path} is not a zero checkpoint's metadata (no 'format': {FORMAT!r})")
+    if tag == "zero.checkpoint/1":
+        raise ValueError(f"{path} is in format 'zero.checkpoint/1', saved by an earlier zero without a checksum of "
+                         f"its metadata, which this version requires ({FORMAT!r}); load it with the zero version "
+                         f"that saved it (zero {meta.get('zero_version')}, an earlier commit) and save it again with "
+                         "this one")
+    if tag != FORMAT:
+        raise ValueError(f"{path} is in format {tag!r}, which this version of zero cannot read (it reads {FORMAT!r}); "
+                         "load it with the zero version that saved it")

@@ -1,0 +1,212 @@
+"""The schema of a portable checkpoint's ``metadata.json`` (format ``zero.checkpoint/2``), checked with pydantic.
+
+:class:`CheckpointMetadata` checks each field's type and range, and then that the fields agree with
+one another, before anything is read from the parts or allocated:
+
+* the files are exactly ``part-RRRRR-of-WWWWW.safetensors``, one per saving rank: a name can never
+  lead outside the checkpoint directory;
+* every entry holds ``numel × itemsize`` bytes of its dtype and lies inside its file's recorded size;
+* every piece of a tensor names the entry of its own range by the key the save gives it
+  (``v/NAME/START``, ``s/NAME/START/STATE``, ``w/NAME``), of the tensor's dtype and the piece's
+  length; the pieces tile the tensor's elements exactly; optimizer state is 0-dim or of the piece's
+  length; every entry is read by exactly one piece (or one tensor of ``extra``), so what a load
+  allocates is bounded by what the files hold;
+* tied names point at stored tensors, and every tensor that ``state`` refers to is stored.
+
+A :class:`pydantic.ValidationError` (a ``ValueError``) says which field is wrong;
+:func:`zero.checkpoint.files.read_metadata` turns it into one line naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zero.checkpoint.tensorfile import DTYPES, Entry, numel_of
+
+FORMAT = "zero.checkpoint/2"
+MAX_COUNT = 2**63 - 1  # file offsets and sizes: what a seek takes
+
+
+def part_name(rank: int, world_size: int) -> str:
+    """The file rank ``rank`` of ``world_size`` writes."""
+    return f"part-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _known_dtype(code: str) -> str:
+    if code not in DTYPES:
+        raise ValueError(f"unknown dtype {code!r} (known: {sorted(DTYPES)})")
+    return code
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+DtypeCode = Annotated[str, AfterValidator(_known_dtype)]
+EntryRecord = tuple[DtypeCode, tuple[Count, ...], Count, Count, Annotated[int, Field(ge=0, lt=2**32)]]
+PieceRecord = tuple[Count, Count, Count, str, dict[str, str]]  # file, start, numel, value key, {state: key}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class FileRecord(_Strict):
+    """One rank's part: its name, size in bytes, and entries ``[dtype, shape, offset, nbytes, CRC-32]``."""
+
+    name: str
+    bytes: Count
+    entries: dict[str, EntryRecord]
+
+
+class TensorRecord(_Strict):
+    """One tensor of the model's ``state_dict``, stored once (tied names are ``aliases``)."""
+
+    kind: Literal["param", "buffer"]
+    shape: tuple[Count, ...]
+    dtype: DtypeCode
+    trainable: bool
+    group: Annotated[int, Field(ge=-1)]
+    pieces: list[PieceRecord]
+
+
+class SavedState(_Strict):
+    """The trees :func:`zero.checkpoint.tree.encode` wrote (tensors stand for ``x/INDEX`` entries of part 0)."""
+
+    param_groups: list[dict[str, Any]]
+    scheduler: Any
+    extra: Any
+    loss_scale: Any
+
+
+class CheckpointMetadata(_Strict):
+    """``metadata.json``: the run that saved the checkpoint and where every tensor lies."""
+
+    format: Literal["zero.checkpoint/2"]
+    zero_version: str
+    torch_version: str
+    world_size: Annotated[int, Field(ge=1, le=2**20)]
+    stage: Annotated[int, Field(ge=0, le=3)]
+    config: dict[str, Any]
+    optimizer_class: str
+    step: Count
+    tensors: dict[str, TensorRecord]
+    aliases: dict[str, str]
+    state: SavedState
+    files: list[FileRecord]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CheckpointMetadata":
+        names = [f.name for f in self.files]
+        expected = [part_name(r, self.world_size) for r in range(self.world_size)]
+        if names != expected:
+            raise ValueError(f"the files must be {_cut(expected)} (one per saving rank), not {_cut(names)}")
+        read: set[tuple[int, str]] = set()
+        for file in self.files:
+            for key, (code, shape, offset, nbytes, _) in file.entries.items():
+                size = numel_of(shape) * DTYPES[code].itemsize
+                if nbytes != size:
+                    raise ValueError(f"entry {key!r} of {file.name} is {code} of shape {tuple(shape)}, {size} bytes, "
+                                     f"but {nbytes} are recorded")
+                if offset < 8 or offset + nbytes > file.bytes:
+                    raise ValueError(f"entry {key!r} of {file.name} lies at bytes [{offset}, {offset + nbytes}), "
+                                     f"outside the file's {file.bytes}")
+        for name, tensor in self.tensors.items():
+            self._check_pieces(name, tensor, read)
+        for alias, name in self.aliases.items():
+            if name not in self.tensors or alias in self.tensors:
+                raise ValueError(f"alias {alias!r} -> {name!r} must name a stored tensor "
+                                 "under a name not stored itself")
+        _check_tree(self.state.model_dump(), self.files[0].entries, read)
+        unread = [(self.files[f].name, key) for f in range(len(self.files)) for key in self.files[f].entries
+                  if (f, key) not in read]
+        if unread:
+            raise ValueError(f"entries {_cut(unread)} are not read by any tensor's piece")
+        return self
+
+    def _check_pieces(self, name: str, tensor: TensorRecord, read: set[tuple[int, str]]) -> None:
+        """Each piece names its own entries, of the right dtype and length; together they tile the tensor."""
+        numel = numel_of(tensor.shape)
+        for file, start, length, value, state in tensor.pieces:
+            if file >= len(self.files):
+                raise ValueError(f"a piece of {name!r} is in file {file}, but there are {len(self.files)}")
+            whole = value.startswith("w/")
+            key = f"w/{name}" if whole else f"v/{name}/{start}"
+            keys = [(value, key)] + [(state[s], f"s/{name}/{start}/{s}") for s in state]
+            wrong = [k for k, expected in keys if k != expected]
+            if wrong or (whole and (start, length, state) != (0, numel, {})):
+                raise ValueError(f"the piece of {name!r} at element {start} names entries {_cut(wrong or [value])}, "
+                                 "not its own (v/NAME/START, s/NAME/START/STATE, or w/NAME for a whole tensor)")
+            entries = self.files[file].entries
+            for key, _ in keys:
+                if key not in entries:
+                    raise ValueError(f"{self.files[file].name} has no entry {key!r}, which a piece of {name!r} names")
+                if (file, key) in read:
+                    raise ValueError(f"entry {key!r} of {self.files[file].name} is read by more than one piece")
+                read.add((file, key))
+            code, shape = entries[value][:2]
+            if code != tensor.dtype or numel_of(shape) != length or (whole and tuple(shape) != tensor.shape):
+                raise ValueError(f"the piece of {name!r} at element {start} is {length} elements of {tensor.dtype}, "
+                                 f"but its entry {value!r} is {code} of shape {tuple(shape)}")
+            for s in state:
+                shape = tuple(entries[state[s]][1])
+                if shape not in ((), (length,)):
+                    raise ValueError(f"optimizer state {s!r} of {name!r} at element {start} has shape {shape}, "
+                                     f"neither () nor ({length},)")
+        position = 0
+        for _, start, length, _, _ in sorted(tensor.pieces, key=lambda p: p[1]):
+            if start != position:
+                break
+            position = start + length
+        if position != numel or sum(p[2] for p in tensor.pieces) != numel:
+            raise ValueError(f"the pieces of {name!r} do not cover its {numel} elements exactly (shape "
+                             f"{tuple(tensor.shape)}): a gap or an overlap")
+
+
+def _check_tree(value: Any, entries: dict[str, Any], read: set[tuple[int, str]]) -> None:
+    """Every node of an encoded tree is well formed, and each tensor it refers to is an ``x/INDEX`` entry of part 0."""
+    if isinstance(value, list):
+        for item in value:
+            _check_tree(item, entries, read)
+        return
+    if not isinstance(value, dict):
+        return
+    if "__tensor__" in value:
+        index = value["__tensor__"]
+        key = f"x/{index}"
+        if set(value) != {"__tensor__"} or type(index) is not int or key not in entries or (0, key) in read:
+            raise ValueError(f"state refers to tensor {index!r}, which is not one stored entry x/INDEX of part 0")
+        read.add((0, key))
+    elif "__tuple__" in value:
+        if set(value) != {"__tuple__"} or not isinstance(value["__tuple__"], list):
+            raise ValueError("state holds a malformed tuple")
+        _check_tree(value["__tuple__"], entries, read)
+    elif "__items__" in value:
+        items = value["__items__"]
+        if (set(value) != {"__items__"} or not isinstance(items, list)
+                or not all(isinstance(i, list) and len(i) == 2 and not isinstance(i[0], (list, dict)) for i in items)):
+            raise ValueError("state holds a malformed dict")
+        _check_tree([v for _, v in items], entries, read)
+    else:
+        _check_tree(list(value.values()), entries, read)
+
+
+def entries_of(file: FileRecord) -> dict[str, Entry]:
+    """A file's entries as :class:`zero.checkpoint.tensorfile.Entry`."""
+    return {key: Entry(code, tuple(shape), offset, nbytes, crc)
+            for key, (code, shape, offset, nbytes, crc) in file.entries.items()}
+
+
+def summary(err: ValidationError, shown: int = 3) -> str:
+    """One line of a ValidationError: each field's location and message, the first ``shown`` of them."""
+    parts = []
+    for e in err.errors()[:shown]:
+        where = ".".join(str(x) for x in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    more = f" (and {err.error_count() - shown} more)" if err.error_count() > shown else ""
+    return "; ".join(parts) + more
+
+
+def _cut(items: list, shown: int = 4) -> str:
+    text = ", ".join(repr(i) for i in items[:shown])
+    return f"[{text}, ... {len(items)} in all]" if len(items) > shown else f"[{text}]"

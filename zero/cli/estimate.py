@@ -1,0 +1,162 @@
+"""``zero estimate``: which stage, offload, checkpointing and micro-batch fit a GPU, before a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
+from zero.config import ZeroConfig
+from zero.estimator import sources
+from zero.estimator.estimator import Estimate, plan
+from zero.estimator.workload import POLICIES, Workload
+from zero.models import add_gpt_arguments, gpt_config
+from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
+
+# ZeroConfig(precision=...) for each --precision the estimator prices
+PRECISION_POLICIES: dict[str, dict[str, str]] = {
+    name: policy.model_dump(exclude_defaults=True) for name, policy in POLICIES.items()
+}
+
+# the accepted ranges (inclusive)
+GPU_MEMORY = (MiB, 16 * TiB)
+WORLD_SIZES = (1, 2**20)
+MICRO_BATCHES = (1, 2**16)
+SHOWN = (1, 10_000)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory", type=memory_size(*GPU_MEMORY), required=True, metavar="SIZE",
+                        help=f"per-GPU memory, e.g. 24 or 80GB, {size_range(*GPU_MEMORY)} ({SIZE_HELP})")
+    parser.add_argument("--world-size", type=whole_number(*WORLD_SIZES), default=8,
+                        help=f"data-parallel ranks, i.e. GPUs, {whole_number_range(*WORLD_SIZES)} (default 8)")
+    parser.add_argument("--micro-batch", type=whole_number(*MICRO_BATCHES), nargs="+", default=[1, 2, 4, 8],
+                        help=f"sequences per rank, each {whole_number_range(*MICRO_BATCHES)}; one or more sizes to try "
+                        "(default 1 2 4 8)")
+    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default="fp32",
+                        help="fp32 (the default, as ZeroOptimizer's own: no mixed precision; also zero.estimate's); "
+                        "mixed (the ZeRO paper's: bf16 parameters, gradients and gradient reduction, fp32 master "
+                        "weights); mixed-fp32-reduce (bf16 parameters and gradients, gradients reduced and kept in "
+                        "fp32)")
+    add_gpt_arguments(parser, vocab=50304, seq_len=1024, d_model=2048, layers=24, heads=16)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="MODULE:FUNCTION",
+                        help="plan for your own model: a function that returns it (a language model with "
+                        "config.vocab_size, called the Hugging Face way on --seq-len tokens: model(input_ids=ids, "
+                        "labels=ids).loss) or a zero.estimator.Workload(build, loss, batch) for any other forward; "
+                        "replaces the GPT options but --seq-len")
+    source.add_argument("--hf-config", metavar="PATH",
+                        help="plan for a Hugging Face causal LM built from this config.json (or a directory "
+                        "holding one), trained on its own loss; replaces the GPT options but --seq-len")
+    parser.add_argument("--no-sync-accumulation", action="store_true",
+                        help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
+                        "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
+    parser.add_argument("--show", type=whole_number(*SHOWN), default=8,
+                        help=f"how many fitting and how many rejected configurations to list, "
+                        f"{whole_number_range(*SHOWN)} (default 8)")
+    parser.add_argument("--json", type=str, default=None, metavar="FILE",
+                        help="also write every estimate to this file")
+
+
+def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
+    """The ``ZeroConfig`` / ``ZeroOptimizer`` keyword arguments of the configuration ``e`` prices
+    (only those that differ from the defaults, besides the stage)."""
+    kwargs: dict[str, Any] = {"stage": e.stage}
+    if PRECISION_POLICIES[e.precision]:
+        kwargs["precision"] = PRECISION_POLICIES[e.precision]
+    if e.offload:
+        kwargs["offload"] = {"optimizer": "cpu"}
+    if e.checkpointing:
+        kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
+    return kwargs
+
+
+def zero_config(e: Estimate) -> ZeroConfig:
+    """The validated :class:`zero.ZeroConfig` that runs the configuration ``e`` prices."""
+    return ZeroConfig(**zero_config_kwargs(e))
+
+
+def workload(args: argparse.Namespace) -> tuple[Workload, str]:
+    """The model the options name, and how to describe it."""
+    if args.model:
+        return sources.from_callable(args.model, args.seq_len), f"{args.model} ({args.seq_len} tokens)"
+    if args.hf_config:
+        return sources.from_hf_config(args.hf_config, args.seq_len), f"{args.hf_config} ({args.seq_len} tokens)"
+    cfg = gpt_config(args)
+    return sources.gpt(cfg), f"a GPT ({cfg})"
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _plan_and_print(args)
+    except ValueError as err:  # a model that cannot be loaded or traced: one line, no traceback
+        print(f"zero estimate: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan_and_print(args: argparse.Namespace) -> int:
+    work, described = workload(args)
+    print(f"tracing {described}: forward, loss and backward on fake tensors (no memory is allocated) ...",
+          flush=True)
+    start = time.perf_counter()
+    model = work.model()
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
+    progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
+    result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
+                  precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress)
+    budget = 0.9 * args.gpu_memory
+    print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
+          f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)})")
+    shown = result.fits[: args.show]
+    if shown:
+        print(f"\nfits, best first ({len(result.fits)}):")
+        _table(shown)
+        zero_config(shown[0])  # validated as ZeroOptimizer will: a configuration it refuses would fail here
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in zero_config_kwargs(shown[0]).items())
+        print(f"to run the first: ZeroOptimizer(optimizer, model, {kwargs})")
+    else:
+        print("\nnothing fits: even the smallest configuration is too large (see below); add ranks or memory")
+    rejected = sorted(result.rejected, key=lambda r: r[0].peak)[: args.show]
+    if rejected:
+        print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
+        for e, why in rejected:
+            print(f"  {_label(e):<44} {why}")
+    if args.json:
+        data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],
+                "rejected": [{**e.as_dict(), "zero_config": zero_config_kwargs(e), "why": why}
+                             for e, why in result.rejected]}
+        try:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=2)
+        except OSError as err:
+            print(f"zero estimate: cannot write {args.json}: {err.strerror or err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _label(e: Estimate) -> str:
+    extras = [x for x, on in (("checkpointing", e.checkpointing), ("offload", e.offload)) if on]
+    return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
+
+
+def _table(rows: list[Estimate]) -> None:
+    columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host")
+    width = max(len(_label(e)) for e in rows)  # "stage 3, micro-batch 16, checkpointing + offload"
+    print(f"  {'configuration':<{width}} " + " ".join(f"{c:>9}" for c in columns) + "  peak at  (host: CPU memory)")
+    for e in rows:
+        figures = [e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations, e.temporaries,
+                   e.communication, e.host]
+        print(f"  {_label(e):<{width}} " + " ".join(f"{format_bytes(v):>9}" for v in figures) + f"  {_where(e)}")
+
+
+def _where(e: Estimate) -> str:
+    return f"{e.phase}, {e.event}" + (f" in {e.module}" if e.module and e.phase != "step" else "")

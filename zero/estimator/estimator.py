@@ -1,0 +1,337 @@
+"""Pre-flight memory estimates: rank 0's peak bytes for a model at any stage, world size and micro-batch.
+
+Nothing is allocated. :func:`estimate` takes a :class:`~zero.estimator.Workload` (the model, the loss
+as the training loop computes it, and its batches), traces one forward, loss and backward on fake
+tensors with live bytes after every operator (:mod:`zero.estimator.timeline`: what autograd saves and
+releases, operator temporaries, gradients as they are created and accumulated), then replays that
+timeline with the configuration's buffer schedule (:mod:`zero.estimator.schedule`: the buckets and
+units ``ZeroOptimizer`` would build, gathering and prefetch at stage 3, reduction staging and gradient
+shards at stages 2-3, persistent gradient buckets at stages 0-1) and with a traced step of the wrapped
+optimizer. The peak is reported by the memory tracker's categories with the phase, module and event
+where it happens, so that an estimate and a ``zero.profile`` measurement read side by side.
+
+Checked against ``zero.profile`` on the same configuration (``tests/distributed/test_estimate_world.py``):
+the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``, a CNN, at stages 0-3,
+world sizes 1-3 and two micro-batches, and a 1.1B GPT at stage 3 on 64 simulated ranks. What it
+cannot see: buffers that kernels allocate inside themselves (e.g. CPU bf16 matmuls), which fake
+tensors do not run, and those collectives allocate for themselves (NCCL's are outside PyTorch's
+allocator; gloo's are reported by the tracker as ``communication/collective internals``).
+
+:func:`trace` is the older forward-only census (saved bytes per block) that activation-checkpointing
+policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the ZeRO paper's formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zero.activations import MATMULS
+from zero.estimator.schedule import Options, replay
+from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
+from zero.memory import CATEGORIES
+from zero.precision import DTYPES, MixedPrecision
+from zero.runtime.units import plan_units
+from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported for zero.profiler
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model-state kind (Adam: ``optimizer`` is m and v), as ZeroOptimizer
+    holds them under a :class:`zero.MixedPrecision` policy (``zero.precision``'s Note)."""
+
+    name: str
+    param: int
+    grad: int  # autograd's gradients (stages 0-1: the persistent gradient buffer)
+    master: int  # fp32 master copy kept by mixed precision
+    optimizer: int
+    reduced: int  # the reduced gradient shard; stages 0-1 reduce the gradient buffer in place when = grad
+
+    @classmethod
+    def of(cls, policy: MixedPrecision, name: str = "") -> "Precision":
+        """The bytes a ZeroOptimizer with ``policy`` holds for an fp32-built model trained with Adam."""
+        if policy.param_dtype is None:
+            return cls(name or "fp32", param=4, grad=4, master=0, optimizer=8, reduced=4)
+        low = DTYPES[policy.param_dtype].itemsize
+        reduced = DTYPES[policy.reduce_dtype or "fp32"].itemsize
+        return cls(name or "mixed", param=low, grad=low, master=4, optimizer=8, reduced=reduced)
+
+
+PRECISIONS = {name: Precision.of(policy, name) for name, policy in POLICIES.items()}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    parameters: float
+    gradients: float
+    optimizer_state: float  # master weights included
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def model_states(numel: int, world_size: int, stage: int, precision: str | Precision = "fp32") -> ModelStates:
+    """Per-rank model-state bytes after a step (Ψ = ``numel``, N = ``world_size``): the ZeRO paper's
+    formulas when the reduced gradient has the gradients' dtype ("fp32", "mixed"); with a wider reduced
+    gradient ("mixed-fp32-reduce") stages 0-1 keep it beside their gradient buffer and stages 2-3
+    shard it at its own width."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    prec = precision if isinstance(precision, Precision) else _precision(precision)
+    n = world_size
+    p, g, k = prec.param * numel, prec.grad * numel, (prec.master + prec.optimizer) * numel
+    shard = 1 if stage == 0 else n
+    kept = g + (0 if prec.reduced == prec.grad else prec.reduced * numel / shard)  # stages 0-1
+    sharded = {0: (p, kept, k), 1: (p, kept, k / n), 2: (p, prec.reduced * numel / n, k / n)}
+    sharded[3] = (p / n, prec.reduced * numel / n, k / n)
+    return ModelStates(*map(float, sharded[stage]))
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one fake forward found (for one micro-batch)."""
+
+    numel: int
+    activation_bytes: int  # saved for backward, parameters excluded
+    unit_activation_bytes: dict[str, int]  # saved while each unit's forward ran (outermost first)
+    unit_input_bytes: dict[str, int]  # what activation checkpointing keeps per unit
+    unit_matmul_bytes: dict[str, int] = field(default_factory=dict)  # matmul outputs per unit (selective checkpointing)
+
+
+def trace(build_fn: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Trace:
+    """Build the model and run ``loss_fn(model, *batch)`` on fake tensors (no memory is used).
+
+    ``batch`` holds real tensors or shapes' worth of example inputs; they are faked too.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            model = build_fn()
+            fake_batch = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
+            return _trace_fake(model, loss_fn, fake_batch)
+    except Exception as err:  # a model or loss that cannot run without data
+        raise ValueError(
+            f"could not trace the model on fake tensors ({type(err).__name__}: {err}). Estimation runs the "
+            "forward without data: data-dependent control flow (e.g. .item(), .tolist(), nonzero()) is not "
+            "supported; pass a loss_fn whose forward depends only on shapes."
+        ) from err
+
+
+def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
+    params = list(model.parameters())
+    param_storages = {p.untyped_storage()._cdata for p in params}
+    units = plan_units(model, [p for p in params if p.requires_grad], unit_classes=None, unit_size_bytes=None)
+    saved: dict[int, int] = {}
+    per_unit: dict[str, int] = {u.name: 0 for u in units}
+    inputs: dict[str, int] = {u.name: 0 for u in units}
+    stack = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in param_storages and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+            per_unit[stack[-1]] += saved[key]
+        return t
+
+    matmuls: dict[str, int] = {u.name: 0 for u in units}
+    hooks = []
+    for unit in units:
+        if unit.name:
+            hooks.append(unit.module.register_forward_pre_hook(_enter(stack, inputs, unit.name)))
+            hooks.append(unit.module.register_forward_hook(_leave(stack)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _MatmulOutputs(stack, matmuls):
+            loss = loss_fn(model, *batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if loss.grad_fn is None:
+        raise ValueError("loss_fn returned a tensor with no gradient: nothing to train")
+    return Trace(
+        numel=sum(p.numel() for p in params if p.requires_grad),
+        activation_bytes=sum(saved.values()),
+        unit_activation_bytes=per_unit,
+        unit_input_bytes=inputs,
+        unit_matmul_bytes=matmuls,
+    )
+
+
+class _MatmulOutputs(TorchDispatchMode):
+    """Adds the bytes of each matmul's output to the unit running it (what selective checkpointing saves)."""
+
+    def __init__(self, stack: list[str], totals: dict[str, int]):
+        super().__init__()
+        self.stack, self.totals = stack, totals
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in MATMULS and self.stack[-1] in self.totals:
+            tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+            self.totals[self.stack[-1]] += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _enter(stack: list[str], inputs: dict[str, int], name: str):
+    def enter(module: nn.Module, args: Any) -> None:
+        stack.append(name)
+        inputs[name] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+    return enter
+
+
+def _leave(stack: list[str]):
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+
+    return leave
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Rank 0's peak bytes of one training step, by the tracker's categories, and where it happens."""
+
+    stage: int
+    world_size: int
+    micro_batch: int
+    precision: str
+    offload: bool
+    checkpointing: bool
+    categories: dict[str, float]
+    host: float  # CPU memory for offloaded optimizer state
+    phase: str  # "forward", "backward" or "step"
+    module: str
+    event: str  # e.g. "gradient reduction", "add operator", "optimizer step"
+
+    @property
+    def peak(self) -> float:
+        return sum(self.categories.values())
+
+    def __getattr__(self, name: str) -> float:  # e.peak's parts by category: e.activations, e.parameters ...
+        if name in CATEGORIES:
+            return self.categories[name]
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, with bytes as whole numbers (rounded: an optimizer's state per element can be fractional)
+        and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
+        categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
+        return {**asdict(self), "categories": categories, "host": round(self.host), "peak": sum(categories.values())}
+
+
+def estimate(
+    workload: Workload,
+    *,
+    stage: int,
+    world_size: int,
+    micro_batch: int,
+    precision: str = "fp32",
+    offload: bool = False,
+    checkpointing: Checkpointing = False,
+    bucket_size_mb: float = 25,
+    max_in_flight_buckets: int = 2,
+    prefetch_units: int = 1,
+    no_sync: bool = False,
+) -> Estimate:
+    """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
+    ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
+    (:mod:`zero.estimator.timeline`) replayed with the stage's buffer schedule (:mod:`zero.estimator.schedule`).
+
+    ``precision``: ``"fp32"`` (the default, as ``ZeroOptimizer``'s own and ``zero estimate``'s: no mixed precision),
+    ``"mixed"`` (the ZeRO paper's: bf16 parameters, gradients and reduction, fp32 master weights,
+    ``ZeroConfig(precision={"param_dtype": "bf16", "reduce_dtype": "bf16"})``) or ``"mixed-fp32-reduce"``
+    (``ZeroConfig(precision={"param_dtype": "bf16"})``: gradients reduced and kept in fp32).
+    ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList``
+    (``ZeroConfig(activation_checkpointing={})``), or a policy as ``ZeroConfig.activation_checkpointing`` takes it
+    (a dict or :class:`zero.ActivationCheckpointing`);
+    ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``); ``no_sync``: gradient
+    accumulation with earlier micro-batches under ``opt.no_sync()`` (the Trainer's and Accelerate's way), which
+    keeps the gradients whole until the last micro-batch's backward reduces them (at stages 2-3 too).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    if world_size < 1 or micro_batch < 1:
+        raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
+    _precision(precision)
+    if offload and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
+    layout = workload.layout(stage, world_size, precision, bucket_size_mb)
+    peak = replay(
+        workload.timeline(micro_batch, precision, checkpointing),
+        layout,
+        workload.step(layout, precision),
+        Options(offload, max_in_flight_buckets, prefetch_units, no_sync),
+    )
+    return Estimate(
+        stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
+        checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.host, phase=peak.phase,
+        module=peak.module, event=peak.event,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: list[Estimate]  # best first
+    rejected: list[tuple[Estimate, str]]  # with the reason
+
+
+def plan(
+    workload: Workload,
+    *,
+    gpu_memory: float,
+    world_size: int,
+    micro_batches: list[int],
+    precision: str = "fp32",
+    headroom: float = 0.9,
+    no_sync: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
+    ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), best first.
+
+    Best means most tokens per step for the least extra work: larger micro-batches first, then
+    no checkpointing (it recomputes the forward), no offload (host transfers), lower stage
+    (stage 3 moves 1.5x the data). ``precision`` (``"fp32"`` by default) and ``no_sync``: see :func:`estimate`.
+    ``progress`` is told about each trace as it starts."""
+    if gpu_memory <= 0:
+        raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
+    budget = headroom * gpu_memory
+    fits, rejected = [], []
+    for micro in micro_batches:
+        for checkpointing in (False, True):
+            if progress is not None:
+                progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
+            for offload in (False, True):
+                for stage in STAGES[1:] if offload else STAGES:  # offload needs stage 1-3 (zero.offload)
+                    e = estimate(
+                        workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
+                        offload=offload, checkpointing=checkpointing, no_sync=no_sync,
+                    )
+                    if e.peak <= budget:
+                        fits.append(e)
+                    else:
+                        rejected.append((e, _why(e, budget)))
+    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, e.offload, e.stage))
+    return Plan(fits, rejected)
+
+
+def _why(e: Estimate, budget: float) -> str:
+    largest = max(e.categories, key=e.categories.get)
+    return (f"needs {format_bytes(e.peak)} > {format_bytes(budget)} at {e.event} ({e.phase}); largest part: "
+            f"{largest.replace('_', ' ')} {format_bytes(e.categories[largest])}")
+
+
+def _precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
+

@@ -1,0 +1,347 @@
+"""Replay a traced step (:mod:`zero.estimator.timeline`) with one ZeRO configuration's buffer schedule.
+
+The trace has the model's own bytes after every operator: what autograd saves, operator temporaries
+and autograd's gradients (every ``p.grad`` starting as ``None``). This module adds what
+``ZeroOptimizer`` holds for rank 0 of ``world_size`` ranks, and when, using the buckets and units
+the optimizer itself would build (``zero.runtime.partition.build_partition`` on the fake model):
+
+* parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point,
+  replayed as ``zero.runtime.gatherer`` does it (gather before a unit's forward and when backward reaches
+  it, prefetch the next unit in the previous pass's order, release a unit when the next one starts,
+  when its backward is over (its inputs' gradients computed and its parameters' gradients arrived)
+  and at the end of backward, keep the root until the step);
+* gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
+  is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
+  at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
+  dropped; at most ``max_in_flight_buckets`` reductions are outstanding, and completing one keeps its
+  ``1/N`` chunk as the gradient shard;
+* optimizer state, master weights and the step's own temporaries, from a traced step of the wrapped
+  optimizer on one bucket's chunk (``StepTrace``), and after the step of every bucket;
+
+and reports the largest total over the step with its breakdown (the tracker's categories).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from zero.estimator.timeline import Point, Timeline
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket as rank 0 of the configuration holds it (bytes)."""
+
+    params: tuple[str, ...]  # trainable parameters (none for a frozen bucket)
+    whole: int  # the padded bucket in the parameters' dtype
+    shard: int  # this rank's chunk in the parameters' dtype (= whole with one shard)
+    staging: int  # the padded bucket in the reduce dtype (stages 2-3 and staged mixed precision)
+    grad_shard: int  # this rank's chunk in the reduce dtype
+    master: int  # this rank's chunk of the fp32 master weights when they are separate (else 0)
+    master_grad: int  # the optimizer's gradient chunk when the reduce dtype is not the master's (else 0)
+    elements: int  # this rank's chunk in elements: what the wrapped optimizer steps
+    pieces: tuple[int, ...]  # the parameters' pieces in that chunk (elements), as the optimizer sees them
+    unit: str | None  # stage 3: the unit that gathers it
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What rank 0 of one configuration holds, before any step (see :func:`zero.estimator.estimator.layout`)."""
+
+    stage: int
+    buckets: tuple[BucketPlan, ...]
+    frozen: int  # frozen parameters kept whole outside buckets (stages 0-2)
+    buffers: int  # the model's buffers
+    staged: bool  # reductions copy into a staging buffer (stages 2-3; stages 0-1 under some precisions)
+    grad_buffer: int  # stages 0-1: the persistent gradient buckets
+    units: tuple[str, ...] = ()  # stage 3, root first
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The wrapped optimizer stepping a bucket's chunk."""
+
+    state_per_element: float  # bytes of optimizer state kept per element stepped
+    adopt: float  # bytes: the largest temporaries while one bucket's masters adopt edits (mixed precision)
+    update: float  # bytes: the largest temporaries while the wrapped optimizer steps one bucket (steady state)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The ``ZeroConfig`` settings the schedule depends on besides the layout."""
+
+    offload: bool = False
+    max_in_flight: int = 2
+    prefetch: int = 1
+    no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
+
+
+@dataclass
+class Peak:
+    """The largest total of the replayed step and where it happened."""
+
+    categories: dict[str, float]
+    phase: str
+    module: str
+    event: str
+    host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.categories.values())
+
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other")
+
+
+@dataclass
+class _Reduction:
+    """Stages 2-3 (and staged reductions): autograd's gradients, buckets launched, shards kept."""
+
+    layout: Layout
+    options: Options
+    grad_bytes: dict[str, int]
+    arrived: set[str] = field(default_factory=set)
+    released: int = 0  # bytes of autograd gradients copied into staging and dropped
+    next: int = 0  # next bucket to launch
+    in_flight: list[BucketPlan] = field(default_factory=list)
+    shards: int = 0  # gradient shards kept on the device
+    launchable: int = 0  # buckets whose gradients are all in (launched at the next gradient's arrival)
+    trainable: list[BucketPlan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trainable = [b for b in self.layout.buckets if b.params]
+
+    @property
+    def staging(self) -> int:
+        return sum(b.staging for b in self.in_flight)
+
+    def arrive(self, name: str) -> None:
+        self.arrived.add(name)
+        buckets = self.trainable
+        while self.launchable < len(buckets) and all(p in self.arrived for p in buckets[self.launchable].params):
+            self.launchable += 1
+
+    def launch_ready(self, on_peak: Callable[[], None]) -> None:
+        """Launch every complete bucket in order; ``on_peak()`` is called at each transient moment."""
+        while self.next < self.launchable:
+            self._launch(self.trainable[self.next], on_peak)
+            self.next += 1
+
+    def end(self, on_peak: Callable[[], None]) -> None:
+        """The end of backward: launch what is left (gradients that never came count as zeros), complete all."""
+        while self.next < len(self.trainable):
+            self._launch(self.trainable[self.next], on_peak)
+            self.next += 1
+        while self.in_flight:
+            self._complete(on_peak)
+
+    def _launch(self, bucket: BucketPlan, on_peak: Callable[[], None]) -> None:
+        if len(self.in_flight) >= self.options.max_in_flight:
+            self._complete(on_peak)
+        self.in_flight.append(bucket)
+        on_peak()  # staging allocated and filled while the bucket's gradients still exist
+        if self.layout.stage >= 2:
+            self.released += sum(self.grad_bytes.get(p, 0) for p in bucket.params)
+
+    def _complete(self, on_peak: Callable[[], None]) -> None:
+        bucket = self.in_flight[0]
+        if not self.options.offload:
+            self.shards += bucket.grad_shard
+            on_peak()  # the chunk is kept (a new shard) before the staging buffer goes
+        self.in_flight.pop(0)
+
+
+@dataclass
+class _Gathering:
+    """Stage 3's gathered units, replayed from the trace's module events."""
+
+    unit_bytes: dict[str, int]
+    unit_params: dict[str, set[str]]
+    unit_of: dict[str, str]  # parameter -> its unit
+    forward_order: list[str]
+    backward_order: list[str]
+    prefetch: int
+    gathered: set[str] = field(default_factory=set)
+    prefetched: set[str] = field(default_factory=set)  # gathering, not yet waited for (the tracker's "communication")
+    finished: str | None = None
+    got: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)  # forward calls whose inputs' gradients are not computed
+    in_backward: set[str] = field(default_factory=set)
+
+    @property
+    def bytes(self) -> int:
+        """Gathered and waited for."""
+        return sum(self.unit_bytes[u] for u in self.gathered - self.prefetched)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.unit_bytes[u] for u in self.prefetched)
+
+    def _use(self, unit: str) -> None:
+        self.gathered.add(unit)
+        self.prefetched.discard(unit)
+
+    def _prefetch(self, order: list[str], unit: str) -> None:
+        at = order.index(unit) + 1 if unit in order else len(order)
+        started = set(order[at : at + self.prefetch]) - self.gathered
+        self.gathered |= started
+        self.prefetched |= started
+
+    def _release_finished(self, keep: str) -> None:
+        finished, self.finished = self.finished, None
+        if finished is not None and finished != keep and finished not in self.in_backward:
+            self.gathered.discard(finished)
+
+    def event(self, point: Point) -> None:
+        name = point.name
+        if point.kind == "enter" and name in self.unit_bytes and point.phase == "forward":
+            self._release_finished(keep=name)
+            self._use(name)
+            self._prefetch(self.forward_order, name)
+        elif point.kind == "enter" and name in self.unit_bytes:  # recomputed in backward
+            self._use(name)
+        elif point.kind == "leave" and name in self.unit_bytes and point.phase == "forward" and name:
+            self._release_finished(keep=name)
+            self.finished = name
+        elif point.kind == "reach" and name in self.unit_bytes and name not in self.in_backward:
+            self.in_backward.add(name)
+            self._use(name)
+            self._prefetch(self.backward_order, name)
+        elif point.kind == "hooked" and name in self.unit_bytes:
+            self.pending[name] = self.pending.get(name, 0) + 1
+        elif point.kind == "done" and name in self.unit_bytes:
+            self.pending[name] = max(0, self.pending.get(name, 0) - 1)
+            self._release_if_done(name)
+        elif point.kind == "grad":
+            unit = self.unit_of.get(name)
+            if unit is None:  # (not a managed parameter)
+                return
+            self.got[unit] = self.got.get(unit, 0) + 1
+            self._release_if_done(unit)
+
+    def _release_if_done(self, unit: str) -> None:
+        done = self.pending.get(unit, 0) == 0 and self.got.get(unit, 0) >= len(self.unit_params[unit])
+        if done and unit in self.in_backward:
+            if unit:
+                self.gathered.discard(unit)
+            self.in_backward.discard(unit)
+
+    def end_backward(self) -> None:
+        self.gathered &= {""}
+        self.prefetched &= {""}
+
+    def release_all(self) -> None:
+        self.gathered.clear()
+        self.prefetched.clear()
+
+
+def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options) -> Peak:
+    """The peak of one training step (steady state: the optimizer state exists) of ``layout``'s configuration."""
+    buckets = [b for b in layout.buckets if b.params]
+    master = sum(b.master for b in buckets)
+    state = step.state_per_element * sum(b.elements for b in buckets)
+    host = 0.0
+    if options.offload:
+        host = master + state + sum(b.grad_shard for b in buckets)
+        master, state = 0, 0.0
+    params_static = (sum(b.shard for b in layout.buckets) if layout.stage == 3
+                     else sum(b.whole for b in layout.buckets))
+    params_static += layout.frozen
+    base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
+    reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged else None
+    gathering = _gathering(timeline, layout, options) if layout.stage == 3 else None
+    best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", host)
+
+    def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
+        nonlocal best
+        if sum(categories.values()) > best.total:
+            best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, host)
+
+    def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
+        communication = (reduction.staging if reduction is not None else 0) + (
+            gathering.in_flight if gathering is not None else 0)
+        parameters = base["parameters"] + (gathering.bytes if gathering is not None else 0)
+        offer(dict(base, parameters=parameters, activations=point.activations, temporaries=point.temporaries,
+                   gradients=gradients, communication=communication),
+              point.phase, point.module, event or _describe(point))
+
+    accumulated = sum(timeline.grad_bytes.values())  # under no_sync(): whole in p.grad when this pass starts
+    # ... and, when the reduce dtype is wider (bf16 parameters, fp32 reduction), also in an accumulator of that dtype
+    wide = _widening(layout) if options.no_sync else 0.0
+
+    def grads_now(point: Point) -> float:
+        fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0  # while it is added in
+        if reduction is None:  # persistent buckets
+            return layout.grad_buffer + fresh
+        pending = accumulated - reduction.released  # accumulated gradients of buckets not launched yet
+        if layout.stage < 2:
+            local = layout.grad_buffer + pending * wide
+        elif options.no_sync:
+            local = pending * (1 + wide) + fresh
+        else:
+            local = point.gradients - reduction.released
+        return local + reduction.shards
+
+    previous = None
+    for point in timeline.points:
+        if gathering is not None:
+            gathering.event(point)
+        if reduction is not None and point.kind == "grad":
+            before = previous or point
+            reduction.launch_ready(lambda: consider(before, gradients=grads_now(before), event="gradient reduction"))
+            reduction.arrive(point.name)
+        if point.name == "<end of backward>" and reduction is not None:
+            reduction.end(lambda: consider(point, gradients=grads_now(point), event="gradient reduction"))
+        if point.name == "<end of backward>" and gathering is not None:
+            gathering.end_backward()
+        consider(point, gradients=grads_now(point))
+        previous = point
+
+    # the step: the gathered units are released; under mixed precision every bucket's masters adopt edits,
+    # then the optimizer's gradients are made for every bucket, then each bucket steps in turn
+    if gathering is not None:
+        gathering.release_all()
+    grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
+    master_grads = 0 if options.offload else sum(b.master_grad for b in buckets)
+    on_device = 0.0 if options.offload else 1.0  # an offloaded step runs on the host
+    for temporaries, gradients in ((step.adopt, grads), (step.update, grads + master_grads)):
+        offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
+              "optimizer step")
+    return best
+
+
+def _widening(layout: Layout) -> float:
+    """Bytes of the reduce-dtype accumulator per byte of gradient under ``no_sync()``: its itemsize over the
+    parameters' when the reduce dtype is wider (``zero.runtime.reducer._widen``), else 0."""
+    trainable = [b for b in layout.buckets if b.params]
+    ratio = sum(b.staging for b in trainable) / max(1, sum(b.whole for b in trainable)) if layout.staged else 0.0
+    return ratio if ratio > 1 else 0.0
+
+
+def _gathering(timeline: Timeline, layout: Layout, options: Options) -> _Gathering:
+    unit_bytes: dict[str, int] = {}
+    unit_params: dict[str, set[str]] = {}
+    for b in layout.buckets:
+        unit = b.unit or ""
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + b.whole
+        unit_params.setdefault(unit, set()).update(b.params)
+
+    def order(kind: str, phase: str) -> list[str]:  # the units in the order the trace first met them
+        return list(dict.fromkeys(p.name for p in timeline.points if p.kind == kind and p.phase == phase
+                                  and p.name in unit_bytes))
+
+    unit_of = {p: unit for unit, params in unit_params.items() for p in params}
+    return _Gathering(unit_bytes, unit_params, unit_of, order("enter", "forward"), order("reach", "backward"),
+                      options.prefetch)
+
+
+def _describe(point: Point) -> str:
+    if point.kind == "op":
+        return f"{point.name} operator"
+    if point.kind == "grad":
+        return f"gradient of {point.name}"
+    if point.kind == "reach":
+        return f"backward reaches {point.name or '<root>'}"
+    return f"forward of {point.name or '<root>'} {'starts' if point.kind == 'enter' else 'ends'}"

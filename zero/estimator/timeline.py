@@ -1,0 +1,257 @@
+"""The estimator's trace: one forward and backward of the user's own loss on fake tensors, live bytes
+after every operator.
+
+Under ``FakeTensorMode`` tensors have shapes, dtypes, a device and storages of the right size, but no
+data, and operators take the same kernels (so the same saved tensors) as on the real device. The model
+is built, cast and (optionally) activation-checkpointed there, then ``loss_fn(model, *batch)`` runs and
+``loss.backward()`` follows, with every ``p.grad`` ``None`` at the start, as ZeRO stages 2-3 leave them.
+
+:class:`Recorder` keeps a running count of the bytes of every storage the step creates, by kind, and
+writes a :class:`Point` after every operator and at every module boundary, backward reaching a module
+and gradient arriving:
+
+* ``activations``: storages autograd holds for backward (saved tensors, released as backward uses them);
+* ``gradients``: what autograd put in ``p.grad``;
+* ``temporaries``: every other storage created since the step began (operator outputs and workspaces,
+  the loss path's copies, a tied weight's gradient contributions being added, ...).
+
+Parameters, buffers and the batch existed before and are not counted (the estimator prices them).
+The counts are kept incrementally (weak references on the storages): the same figures
+``zero.profile`` reports at a sample, without walking every storage after every operator.
+
+The stages' own buffers are not here: :mod:`zero.estimator.schedule` replays this timeline with each
+stage's buffer schedule.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from zero.outputs import tensors_in
+from zero.runtime.post_backward import hook_input_gradients
+
+KINDS = ("activations", "temporaries", "gradients")
+
+
+@dataclass(frozen=True)
+class Point:
+    """Live bytes of the traced step right after something happened."""
+
+    phase: str  # "forward" or "backward"
+    kind: str  # "op", "enter" / "leave" (a module's forward), "hooked" (its inputs need gradients), "reach"
+    # (backward reaches a module), "done" (backward computed its inputs' gradients), "grad"
+    name: str  # the operator, the module or the parameter
+    module: str  # the innermost module running (forward) or last reached (backward)
+    activations: int
+    temporaries: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.temporaries + self.gradients
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One traced forward and backward (see the module docstring)."""
+
+    points: list[Point]
+    grad_bytes: dict[str, int]  # each trainable parameter's gradient, by name
+    micro_batch: int = 0  # the batch's size, when known (Workload sets it)
+
+    def aligned(self, other: "Timeline") -> bool:
+        """Whether both traces went through the same steps (operators, modules, gradients) in the same order."""
+        return self.grad_bytes == other.grad_bytes and len(self.points) == len(other.points) and all(
+            (a.phase, a.kind, a.name, a.module) == (b.phase, b.kind, b.name, b.module)
+            for a, b in zip(self.points, other.points)
+        )
+
+    def extrapolate(self, following: "Timeline", micro_batch: int) -> "Timeline":
+        """``micro_batch``'s timeline from this one and ``following``, traced at the next micro-batch and aligned."""
+        assert self.micro_batch and following.micro_batch == self.micro_batch + 1
+
+        def at(a: int, b: int) -> int:
+            return a + (b - a) * (micro_batch - self.micro_batch)
+
+        points = [
+            replace(p, activations=at(p.activations, q.activations), temporaries=at(p.temporaries, q.temporaries),
+                    gradients=at(p.gradients, q.gradients))
+            for p, q in zip(self.points, following.points)
+        ]
+        return Timeline(points, dict(self.grad_bytes), micro_batch)
+
+
+class _Storage:
+    __slots__ = ("nbytes", "kind", "saved")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.kind, self.saved = nbytes, "temporaries", 0
+
+
+class Recorder(TorchDispatchMode):
+    """Live bytes by kind, updated as storages are created, saved, made gradients and freed."""
+
+    def __init__(self, model: nn.Module, existing: Any = ()) -> None:
+        super().__init__()
+        self.model = model
+        self.live: dict[int, _Storage] = {}
+        self.totals = dict.fromkeys(KINDS, 0)
+        self.points: list[Point] = []
+        self.stack: list[str] = []
+        self.reached = ""
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self._refs: list[weakref.ref] = []
+        # storages that exist already (an in-place operator returns them): parameters, buffers, the batch, ...
+        known = [*model.parameters(), *model.buffers(), *tree_leaves(existing)]
+        self._known = {self._key(t) for t in known if isinstance(t, torch.Tensor)}
+
+    # ----- bookkeeping -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _move(self, entry: _Storage, kind: str) -> None:
+        self.totals[entry.kind] -= entry.nbytes
+        self.totals[kind] += entry.nbytes
+        entry.kind = kind
+
+    def _created(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live or key in self._known:
+            return
+        entry = self.live[key] = _Storage(storage.nbytes())
+        self.totals[entry.kind] += entry.nbytes
+
+        def freed(_ref: weakref.ref, key: int = key, entry: _Storage = entry) -> None:
+            if self.live.get(key) is entry:
+                del self.live[key]
+                self.totals[entry.kind] -= entry.nbytes
+
+        self._refs.append(weakref.ref(storage, freed))
+
+    def point(self, kind: str, name: str) -> None:
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        module = self.stack[-1] if self.stack else (self.reached if phase == "backward" else "")
+        t = self.totals
+        self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"], t["gradients"]))
+
+    # ----- what autograd saves ------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        entry = self.live.get(self._key(t))
+        if entry is None:  # a parameter, a buffer or the batch
+            return t
+        return _Saved(self, entry, t)
+
+    # ----- operators --------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._created(t)
+        self.point("op", func.overloadpacket.__name__)
+        return out
+
+    # ----- hooks ------------------------------------------------------------------------------------
+
+    def hooks(self) -> list[Any]:
+        handles = []
+        for name, module in self.model.named_modules():
+            handles.append(module.register_forward_pre_hook(self._enter(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._leave(name), always_call=True))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(self._grad))
+        return handles
+
+    def _enter(self, name: str) -> Callable:
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            self.stack.append(name)
+            self.point("enter", name)
+            if torch._C._current_graph_task_id() != -1:  # recomputed in backward: stage 3 hooks nothing
+                return None
+            hooked = hook_input_gradients(args, kwargs, lambda: self.point("done", name))
+            if hooked is not None:
+                self.point("hooked", name)
+            return hooked
+
+        return enter
+
+    def _leave(self, name: str) -> Callable:
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            self.point("leave", name)
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            outputs = [t for t in tensors_in(output) or [] if t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(outputs, self._reach(name), mode="any")
+
+        return leave
+
+    def _reach(self, name: str) -> Callable:
+        def reach(grad: Any) -> None:
+            self.reached = name
+            self.point("reach", name)
+
+        return reach
+
+    def _grad(self, p: torch.Tensor) -> None:
+        entry = self.live.get(self._key(p.grad))
+        if entry is not None and entry.kind != "gradients":
+            self._move(entry, "gradients")
+        self.point("grad", self.names[id(p)])
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor: while any is held, its storage counts as activations."""
+
+    __slots__ = ("recorder", "entry", "tensor")
+
+    def __init__(self, recorder: Recorder, entry: _Storage, tensor: torch.Tensor) -> None:
+        self.recorder, self.entry, self.tensor = recorder, entry, tensor.detach()
+        entry.saved += 1
+        if entry.saved == 1 and entry.kind == "temporaries":
+            recorder._move(entry, "activations")
+
+    def __del__(self) -> None:
+        self.entry.saved -= 1
+        if self.entry.saved == 0 and self.entry.kind == "activations":
+            self.recorder._move(self.entry, "temporaries")
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Timeline:
+    """Run ``loss_fn(model, *batch).backward()`` (all fake) under a :class:`Recorder`."""
+    recorder = Recorder(model, existing=batch)
+    handles = recorder.hooks()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack), recorder:
+            loss = loss_fn(model, *batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    f"the loss function must return the scalar loss tensor, got "
+                    f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+                )
+            if loss.grad_fn is None:
+                raise ValueError("the loss has no gradient (no parameter requires grad, or it was detached)")
+            loss.backward()
+            del loss
+            recorder.point("op", "<end of backward>")
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = {name: p.grad.untyped_storage().nbytes() for name, p in model.named_parameters() if p.grad is not None}
+    return Timeline(recorder.points, grads)

@@ -1,0 +1,375 @@
+"""Stage 3's parameter gathering: module hooks, prefetch and the gathered working set.
+
+Life of one unit in a training step (``reshard_after_forward=True``)::
+
+    forward pre-hook   release the unit that ran before; unshard (all-gather, unless prefetched),
+                       wait; prefetch the next unit(s)
+    forward hook       mark for release (the root unit excepted); hook the outputs so that the
+                       first gradient reaching them ...
+    pre-backward       ... unshards the unit again (and prefetches the next one in backward order)
+    backward done      reshard, once both its inputs' gradients are computed (every forward call's)
+                       and its trainable parameters' gradients have arrived (they go on to the
+                       reducer as at stage 2)
+    end of backward    reshard whatever is still gathered (units with unused parameters)
+
+The unit's backward is over only when autograd has computed the gradient of its forward inputs
+(see ``zero.runtime.post_backward``): frozen weights are read until then, e.g. a frozen base under
+LoRA adapters, whose last adapter gradient arrives before the frozen weight carries the gradient
+back to the adapters of earlier units. A forward whose inputs need no gradient (the first unit)
+ends its backward with its last parameter gradient: nothing it holds is read after that.
+
+Releasing a unit after its forward waits until the next unit starts (the working set while a
+unit computes is the same), so the unit that runs last in forward, which backward needs
+first, goes straight into backward without being gathered again; so does the root unit.
+
+Prefetch follows the order in which units ran on the previous forward (backward) pass, so
+the first step gathers on demand. Every rank must run the same units in the same order
+(collectives are matched by order): the sequence of gathers is folded into a fingerprint
+that the reducer compares across ranks at the end of each backward, so a model whose
+ranks take different paths fails with an error naming the problem rather than training
+on mismatched parameters. Sooner than that, each rank compares every forward's units with its
+first forward's (locally, for free): the rank whose order changes warns at once, naming the
+unit, and a gather that then fails or times out repeats it in its error.
+
+A parameter of a released unit can never be read by accident: backward's saved references to
+its parameters are checked when autograd unpacks them (``zero.runtime.saved_params``), and any
+other use is refused by ``ZeroParameter``.
+
+Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward,
+and every unit when the root's forward ends. During backward a unit's forward may run again
+(activation checkpointing): it is gathered if needed and left to backward to release. A
+forward or backward interrupted by an error leaves no stale state: the next pass starts clean.
+A unit whose output is an object this module cannot look into (neither tensors nor
+tuples, lists, dicts or dataclasses of them) stays gathered until its backward ends.
+
+Not supported at stage 3: double backward (``create_graph=True``), whose second pass needs
+parameters the first one already released.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zero.comm import Communicator, Handle
+from zero.outputs import tensors_in
+from zero.runtime.backward_pass import BackwardPass
+from zero.runtime.bucket import Bucket
+from zero.runtime.post_backward import hook_input_gradients
+from zero.runtime.saved_params import SavedParamCheck
+from zero.runtime.stages.stage3 import Stage3
+from zero.runtime.units import UnitSpec
+from zero.weak import weak_hook
+
+_FINGERPRINT_MOD = 2**31 - 1
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # all-gather in flight
+    GATHERED = "gathered"
+
+
+class Unit:
+    """Runtime state of one unit: its buckets and where it is in the step."""
+
+    def __init__(self, index: int, spec: UnitSpec, buckets: list[Bucket]):
+        self.index = index
+        self.name = spec.name or "<root>"
+        self.module = spec.module
+        self.buckets = buckets
+        self.num_params = sum(len(b.slots) for b in buckets if b.trainable)  # those that get gradients
+        self.state = UnitState.SHARDED
+        self.handles: list[Handle] = []
+        self.in_backward = False  # between its pre-backward and the end of its backward
+        self.num_grads = 0  # parameters whose gradient arrived in this backward pass
+        self.pending_inputs = 0  # forward calls whose inputs' gradients backward has not computed yet
+        # The root unit's backward starts as soon as its forward ends, so it is never released in
+        # between (FSDP2 does the same): regathering it at once would only cost traffic.
+        self.is_root = spec.name == ""
+
+    def __repr__(self) -> str:
+        return f"unit {self.name!r}"
+
+    def is_gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
+
+
+class ParamGatherer:
+    """Registers stage 3's module and gradient hooks and gathers units just in time."""
+
+    def __init__(
+        self,
+        specs: list[UnitSpec],
+        buckets: list[Bucket],
+        stage: Stage3,
+        comm: Communicator,
+        *,
+        reshard_after_forward: bool,
+        prefetch: int,
+    ):
+        self.units = [Unit(i, spec, [b for b in buckets if b.unit is spec]) for i, spec in enumerate(specs)]
+        self.stage = stage
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._depth = 0  # units whose forward is running (nested)
+        self._finished: Unit | None = None  # ran its forward; released when the next unit starts
+        self._forward_order: list[Unit] = []
+        self._previous_forward: list[Unit] = []
+        self._first_forward: list[Unit] | None = None  # the order every later forward is checked against
+        self._divergence: str | None = None  # how this rank's unit order first left the first pass's
+        self._has_root = any(unit.is_root for unit in self.units)
+        self._backward_order: list[Unit] = []
+        self._previous_backward: list[Unit] = []
+        self._pass = BackwardPass()
+        self._fingerprint = 0
+        self._saved_check = SavedParamCheck(weak_hook(self._units_of_storage))
+        self.hooks = []
+        for unit in self.units:
+            # Under torch.compile the hooks run eagerly (a graph break each): they gather, release and
+            # prefetch, which dynamo cannot trace; the unit's forward between them compiles as usual.
+            pre = torch.compiler.disable(weak_hook(self._pre_forward, unit.index))
+            post = torch.compiler.disable(weak_hook(self._post_forward, unit.index))
+            self.hooks.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.hooks.append(unit.module.register_forward_hook(post))
+            done = torch.compiler.disable(weak_hook(self._forward_done))
+            self.hooks.append(unit.module.register_forward_hook(done, always_call=True))
+            for bucket in unit.buckets:
+                for slot in bucket.slots if bucket.trainable else []:
+                    hook = weak_hook(self._on_grad, unit.index, slot.name)
+                    self.hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+
+
+    # ----- unshard / reshard ------------------------------------------------------------------------
+
+    def unshard(self, unit: Unit) -> None:
+        """Start gathering ``unit`` (no-op unless sharded)."""
+        if unit.state is not UnitState.SHARDED:
+            return
+        unit.handles = [self.stage.unshard(bucket, self.comm) for bucket in unit.buckets]
+        unit.state = UnitState.GATHERING
+        self._fingerprint = (self._fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
+
+    def wait(self, unit: Unit) -> None:
+        """Make ``unit`` usable: gather it if needed and wait for the gather."""
+        self.unshard(unit)
+        if unit.state is UnitState.GATHERING:
+            for handle in unit.handles:
+                try:
+                    handle.wait()
+                except RuntimeError as err:
+                    if self._divergence is None:
+                        raise
+                    raise RuntimeError(f"{err}\nzero: {self._divergence}") from err
+            unit.handles = []
+            for bucket in unit.buckets:
+                self.stage.attach(bucket)
+            unit.state = UnitState.GATHERED
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:
+            return
+        self.wait(unit)  # never release a buffer a collective is still writing
+        for bucket in unit.buckets:
+            self.stage.reshard(bucket)
+        unit.state = UnitState.SHARDED
+
+    def reshard_all(self, keep: list[Unit] = ()) -> None:
+        """Release every unit (but ``keep``) and forget any pass in progress (also one interrupted by an error)."""
+        self._depth = 0
+        self._finished = None
+        self._pass.forget()
+        for unit in self.units:
+            if unit not in keep:
+                self.reshard(unit)
+            unit.in_backward = False
+            unit.num_grads = 0
+            unit.pending_inputs = 0
+
+    @property
+    def in_forward(self) -> bool:
+        return self._depth > 0
+
+    def gathering_buckets(self) -> set[Bucket]:
+        """Buckets whose all-gather is in flight (prefetched units not yet needed, among them)."""
+        return {b for u in self.units if u.state is UnitState.GATHERING for b in u.buckets}
+
+    def units_of(self, params: Iterable[nn.Parameter]) -> list[Unit]:
+        """The units holding any of ``params``, in unit order."""
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(s.param) in wanted for b in u.buckets for s in b.slots)]
+
+    def take_fingerprint(self) -> int:
+        """A hash of the gathers issued since the last call (same on every rank if they ran the same units)."""
+        value, self._fingerprint = self._fingerprint, 0
+        return value
+
+    # ----- forward ----------------------------------------------------------------------------------
+
+    def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        unit = self.units[index]
+        functorch = _in_functorch()
+        self._saved_check.enter(torch.is_grad_enabled() and not _in_backward() and not functorch)
+        if functorch:
+            raise RuntimeError(_NO_FUNCTORCH)
+        if _in_backward():  # recomputation (activation checkpointing): backward releases it
+            self.wait(unit)
+            return None
+        if unit.is_root:
+            self._depth = 0  # (a forward interrupted by an error never came back out)
+        if self._depth == 0:  # a new forward pass starts
+            if self._forward_order:
+                self._previous_forward = self._forward_order
+                self._check_order(len(self._forward_order), ended=True)
+                if self._first_forward is None:
+                    self._first_forward = self._forward_order
+            self._forward_order = []
+        self._release_finished(keep=unit)
+        self._depth += 1
+        self._forward_order.append(unit)
+        self._check_order(len(self._forward_order) - 1, ended=False)
+        self.wait(unit)
+        self._prefetch(self._forward_order, self._previous_forward)
+        hooked = hook_input_gradients(args, kwargs, weak_hook(self._inputs_done, unit.index))
+        if hooked is not None:
+            unit.pending_inputs += 1
+        return hooked
+
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        unit = self.units[index]
+        if _in_backward():
+            return
+        self._depth = max(0, self._depth - 1)
+        if not torch.is_grad_enabled():  # no backward will come
+            self.reshard(unit)
+            if unit.is_root:  # also units prefetched but not used
+                for other in self.units:
+                    if not other.in_backward:
+                        self.reshard(other)
+            return
+        tensors = tensors_in(output)
+        if tensors is None:  # cannot see the outputs, so cannot hook them: keep it for backward
+            return
+        needs_grad = [t for t in tensors if t.requires_grad]
+        if not needs_grad:
+            self.reshard(unit)
+            return
+        torch.autograd.graph.register_multi_grad_hook(needs_grad, weak_hook(self._pre_backward, unit.index), mode="any")
+        if self.reshard_after_forward and not unit.is_root:
+            self._release_finished(keep=unit)
+            self._finished = unit
+
+    def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After every unit forward, also one that raised: remove the saved-tensor check it installed."""
+        self._saved_check.exit()
+
+    def _units_of_storage(self) -> dict[int, Unit]:
+        """The unit of each parameter buffer's storage (the saved-tensor check's lookup)."""
+        return {b.param_buffer.data.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
+
+    def _release_finished(self, keep: Unit) -> None:
+        finished, self._finished = self._finished, None
+        if finished is not None and finished is not keep and not finished.in_backward:
+            self.reshard(finished)
+
+    def _prefetch(self, order: list[Unit], previous: list[Unit]) -> None:
+        """Start gathering the units that followed this one last time (if the order still matches)."""
+        position = len(order)
+        if self.prefetch == 0 or len(previous) < position or previous[position - 1] is not order[-1]:
+            return
+        for unit in previous[position : position + self.prefetch]:
+            self.unshard(unit)
+
+    def _check_order(self, position: int, *, ended: bool) -> None:
+        """Compare this forward's units with the first forward's, locally (no communication). A rank
+        that runs other units than its peers pairs its all-gathers with theirs: say so now, on the rank
+        that diverged, and again in the error of the collective that then fails or times out."""
+        first = self._first_forward
+        if first is None or self._divergence is not None or not self._has_root:
+            return  # (without a root unit, forward passes have no visible start: nothing to compare)
+        order = self._forward_order
+        got = order[position] if position < len(order) and not ended else None
+        expected = first[position] if position < len(first) else None
+        if got is expected:
+            return
+        self._divergence = (
+            f"rank {self.comm.rank} ran {got or 'no unit'} as unit #{position} of a forward pass, where its first "
+            f"forward pass ran {expected or 'no unit'}. If other ranks kept the first order, this rank's all-gathers "
+            "no longer match theirs (collectives pair up by order): the next one fails or times out, or the "
+            "end-of-backward check reports it. Every rank must run the same units in the same order (no branch "
+            "or loop count that depends on a rank's data)."
+        )
+        warnings.warn(f"zero: {self._divergence}", stacklevel=4)
+
+    # ----- backward ---------------------------------------------------------------------------------
+
+    def _pre_backward(self, index: int, grad: torch.Tensor | None) -> None:
+        unit = self.units[index]
+        if not self._pass.running:  # the first hook of a new backward pass (a nested one runs inside it)
+            if self._pass.interrupted:  # the previous one died with an error
+                self._previous_backward, self._backward_order = self._backward_order, []
+                self.reshard_all()
+            self._pass.begin(weak_hook(self._end_backward))
+        if unit.in_backward:
+            return
+        unit.in_backward = True
+        self._backward_order.append(unit)
+        self.wait(unit)
+        self._prefetch(self._backward_order, self._previous_backward)
+
+    def _inputs_done(self, index: int) -> None:
+        """Autograd computed the gradients of one forward call's inputs: that call's backward is over."""
+        unit = self.units[index]
+        unit.pending_inputs = max(0, unit.pending_inputs - 1)  # (a retained graph's second pass comes again)
+        self._release_if_done(unit)
+
+    def _on_grad(self, index: int, name: str, param: torch.Tensor) -> None:
+        unit = self.units[index]
+        if unit.state is not UnitState.GATHERED:
+            raise RuntimeError(
+                f"zero: the gradient of {name!r} was computed while {unit} was not gathered: backward reached "
+                "its parameters without passing through the outputs of its forward (a tensor kept on the side "
+                "and used later?). Return such tensors from the unit's forward, or choose units "
+                "(ZeroConfig.unit_classes) so that the code using them is inside the unit."
+            )
+        unit.num_grads += 1
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: Unit) -> None:
+        """Release ``unit`` once its backward is over: every forward call's input gradients computed and
+        every trainable parameter's gradient arrived (units with unused parameters wait for the end)."""
+        if unit.in_backward and unit.pending_inputs == 0 and unit.num_grads >= unit.num_params:
+            if not unit.is_root:  # (the root stays gathered until step(): see _end_backward)
+                self.reshard(unit)
+            unit.in_backward = False
+
+    def _end_backward(self) -> None:
+        """Release every unit but the root, which stays gathered until ``step()``: a second backward
+        pass through a retained graph, or a loss term built from root parameters after forward (an L2
+        penalty on the embeddings), reads them again, and the next forward (accumulation) needs it first."""
+        root = [unit for unit in self.units if unit.is_root and unit.state is not UnitState.SHARDED]
+        self.reshard_all(keep=root)
+        self._previous_backward, self._backward_order = self._backward_order, []
+
+
+_NO_FUNCTORCH = (
+    "zero: a torch.func transform (grad, vjp, jacrev, vmap, ...) ran a stage-3 model: its backward does not pass "
+    "through the hooks that gather each unit's parameters, so it would read released ones. Use stage 0, 1 or 2 "
+    "(parameters are whole there, and torch.func works), or load `model.state_dict()` taken inside "
+    "`opt.gathered_parameters()` into a plain copy of the model and apply torch.func to that copy."
+)
+
+
+def _in_functorch() -> bool:
+    """Whether a ``torch.func`` transform is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1

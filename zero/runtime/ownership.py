@@ -1,0 +1,67 @@
+"""The model's parameters belong to one ZeroOptimizer, which checks that the model still uses them.
+
+Construction marks each managed parameter with its owner (one optimizer per parameter);
+as each backward pass starts and before each step, the model must still hold those very
+parameters, with their dtype, device and (stages 0-2) storage: ``model.to()``, ``.half()``
+or ``load_state_dict(assign=True)`` after wrapping would otherwise train on silently.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zero.runtime.bucket import Bucket
+
+
+class OwnerRef:
+    """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
+
+    def __init__(self, owner: object | None = None):
+        self._ref = weakref.ref(owner) if owner is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._ref is not None and self._ref() is not None
+
+    def __reduce__(self):
+        return (OwnerRef, ())
+
+
+def managed_elsewhere(param: torch.nn.Parameter) -> bool:
+    """Whether a live ZeroOptimizer manages ``param`` already."""
+    owner = getattr(param, "_zero_owner", None)
+    return owner is not None and owner.alive
+
+
+def claim_parameters(owner: object, buckets: list[Bucket]) -> None:
+    """Mark every parameter in ``buckets`` as ``owner``'s; refuse one that another live ZeroOptimizer manages
+    (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
+    slots = [slot for bucket in buckets for slot in bucket.slots]
+    for slot in slots:
+        if managed_elsewhere(slot.param):
+            raise ValueError(
+                f"parameter {slot.name!r} is already managed by another ZeroOptimizer; a parameter can belong "
+                "to one ZeroOptimizer only. Give each optimizer a disjoint set of parameters (or drop the "
+                "first optimizer before building a new one)."
+            )
+    for slot in slots:
+        slot.param._zero_owner = OwnerRef(owner)
+
+
+def check_model(model: torch.nn.Module, buckets: list[Bucket], *, whole: bool) -> None:
+    """Raise if the model no longer uses the managed parameters as they were (``whole``: stages 0-2, whose
+    parameters view the buckets' storage)."""
+    for bucket in buckets:
+        bucket.check_attached(whole=whole)
+    current = dict(model.named_parameters())
+    for bucket in buckets:
+        for slot in bucket.slots:
+            if current.get(slot.name) is not slot.param:
+                raise ValueError(
+                    f"the model's parameter {slot.name!r} is no longer the one ZeroOptimizer manages: it was "
+                    "replaced after wrapping (load_state_dict(assign=True), an assignment, or a conversion "
+                    "that swaps parameters). Load weights with load_state_dict() (it copies), or build the "
+                    "ZeroOptimizer after replacing them."
+                )

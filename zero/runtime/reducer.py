@@ -1,0 +1,358 @@
+"""Gradient hooks, the gradient state machine, and the reduction round of a backward pass.
+
+Gradient states (:class:`GradState`), checked on every transition::
+
+    EMPTY ──no_sync pass──> ACCUMULATING ──synced pass──> REDUCING ──end of pass──> REDUCED
+      └──────────────────────synced pass──────────────────────^                        │
+    REDUCED ──another pass before step() (stage.reopen)──> ACCUMULATING or REDUCING <──┘
+    any state outside a pass ──zero_grad(), or model.zero_grad() on every parameter──> EMPTY
+    a pass that died with an error ──> INTERRUPTED ──zero_grad() / model.zero_grad()──> EMPTY
+
+Life of one backward pass:
+
+1. The first gradient *pre*-hook of the pass (before autograd accumulates anything) starts
+   it: :meth:`GradReducer.take_back` applies what the user did to ``p.grad`` since the last
+   pass (``model.zero_grad()``, ``p.grad = None``, ``zero_grad(set_to_none=False)``); reduced
+   gradients about to receive more are reopened (``stage.reopen``); each ``p.grad`` is pointed
+   where autograd should accumulate (``stage.before_pass``); and ``_end_pass`` is queued to run
+   when autograd finishes the pass.
+2. Each ``post_accumulate_grad`` hook marks its parameter ready; the next gradient's pre-hook
+   (or the end of the pass) hands the gradient to the stage (``stage.stage_grad``), so that hooks
+   the user registered after ours have run on it first.
+3. Buckets are launched strictly in bucket order, each as soon as it and every bucket
+   before it are ready: the stage collects its gradients into the buffer to reduce
+   (``stage.collect``), then starts the collective (``stage.launch_reduce``). Note: the order
+   is what keeps ranks in step. Collectives are matched by the order in which ranks issue
+   them, so a bucket that is complete early
+   on one rank (its parameters all used) but late on another (one of them unused there)
+   still goes out in the same position everywhere.
+4. At most ``max_in_flight`` reductions are outstanding; launching one more first
+   completes the oldest (``stage.finish_reduce``), which bounds stage 2's memory.
+5. When the pass ends, buckets not yet launched are completed with zeros for the
+   gradients that never arrived and launched in order; then one small all-reduce tells
+   every rank which parameters got a gradient on *any* rank (and, with fp16 loss scaling,
+   whether any rank's local gradients overflowed: each bucket is checked as it is collected
+   for its reduction, see :mod:`zero.runtime.loss_scaler`). The optimizer gives the
+   others no gradient at all, exactly as single-process PyTorch leaves ``p.grad = None``.
+   At stage 3 the same all-reduce carries a fingerprint of the units each rank gathered,
+   so ranks that ran different units are caught here (see ``zero.runtime.gatherer``).
+6. Every parameter with a gradient gets its published ``p.grad`` back (``stage.published_grad``:
+   the whole gradient at stage 0, a :class:`~zero.runtime.sharded_grad.ShardedGrad` guard at stages 1-3),
+   so that what the user does to it before the next pass can be seen.
+
+Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
+and the next synchronized pass reduces their sum. A pass that dies with an error (detected by
+:class:`~zero.runtime.backward_pass.BackwardPass`) leaves its gradients incomplete: its
+collectives are drained and everything else is refused until the gradients are cleared.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Callable
+
+import torch
+
+from zero.comm import Communicator, Handle
+from zero.runtime.backward_pass import BackwardPass
+from zero.runtime.bucket import Bucket, ParamSlot
+from zero.runtime.loss_scaler import LossScaler
+from zero.runtime.stages.stage0 import Stage0
+from zero.weak import weak_hook
+
+_AGREE_MOD = 2**31 - 1  # values compared across ranks ride in int32 flags
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"  # no gradient since zero_grad()
+    ACCUMULATING = "accumulating"  # local gradients from no_sync() passes, not reduced yet
+    REDUCING = "reducing"  # inside a synchronized backward pass
+    REDUCED = "reduced"  # reduced gradients, ready for clip_grad_norm_() and step()
+    INTERRUPTED = "interrupted"  # a backward pass died with an error: gradients incomplete until cleared
+
+
+_INTERRUPTED = (
+    "the last backward pass failed part-way (an error was raised inside it), so the gradients are "
+    "incomplete. Call opt.zero_grad() (or model.zero_grad()) before the next backward pass or step()."
+)
+
+
+class GradReducer:
+    """Registers the gradient hooks and runs one reduction round per synchronized backward."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        stage: Stage0,
+        comm: Communicator,
+        max_in_flight: int,
+        fingerprint: Callable[[], int] | None = None,
+        check: Callable[[], None] | None = None,
+        steps: Callable[[], int] | None = None,
+        scaler: LossScaler | None = None,
+    ):
+        self.buckets = buckets  # launch order
+        self.slots = [slot for bucket in buckets for slot in bucket.slots]
+        self.stage = stage
+        self.comm = comm
+        self.max_in_flight = max_in_flight
+        self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
+        self.check = check  # run as each pass starts (the model still uses the managed parameters)
+        self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
+        self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
+        self.sync_enabled = True  # False inside no_sync()
+        self.state = GradState.EMPTY
+        self._pass = BackwardPass()
+        self._reopened = False  # this pass reopened reduced gradients (stage.reopen)
+        self._pending: list[ParamSlot] = []  # ready, not yet handed to the stage
+        self._next = 0  # index of the next bucket to launch
+        self._in_flight: deque[tuple[Bucket, Handle]] = deque()
+        self.hooks = []
+        for i, slot in enumerate(self.slots):
+            self.hooks.append(slot.param.register_hook(weak_hook(self._before_grad, i)))
+            self.hooks.append(slot.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, i)))
+
+    def _to(self, new: GradState, *allowed: GradState) -> None:
+        assert self.state in allowed, f"gradient state {self.state.value} -> {new.value}"
+        self.state = new
+
+    def require_reduced(self, what: str) -> None:
+        """Raise unless reduced gradients are ready for ``what`` (``step()``, ``clip_grad_norm_()``; their callers
+        handle an empty state: no gradient since ``zero_grad()``)."""
+        self.settle()
+        messages = {
+            GradState.ACCUMULATING: f"{what} called after a backward pass inside no_sync(): its gradients were "
+            "never reduced across ranks. Run the last micro-batch's backward outside no_sync().",
+            GradState.REDUCING: f"{what} called inside a backward pass (from a hook?); call it after backward()",
+            GradState.INTERRUPTED: f"{what}: {_INTERRUPTED}",
+        }
+        if self.state in messages:
+            raise ValueError(messages[self.state])
+
+    # ----- what the user did to p.grad ------------------------------------------------------------------
+
+    def take_back(self) -> None:
+        """Apply what the user did to the published ``p.grad`` since the last pass, as PyTorch would:
+        ``None`` clears the gradient (``model.zero_grad()``), ``zero_()`` on a guard zeroes it, a
+        replaced tensor is copied in (stage 0) or refused (stages 1-3)."""
+        self.settle()
+        if self.state is GradState.REDUCING:
+            return
+        if self.state is GradState.INTERRUPTED:
+            if any(slot.param.grad is not None for slot in self.slots):
+                raise ValueError(_INTERRUPTED)
+            self.clear()
+            return
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                self._take_back(bucket, slot)
+        if self.state is not GradState.EMPTY and not any(slot.has_grad for slot in self.slots):
+            self.clear()  # every gradient was cleared: the same as opt.zero_grad()
+
+    def _take_back(self, bucket: Bucket, slot: ParamSlot) -> None:
+        grad = slot.param.grad
+        if grad is None:
+            if slot.has_grad:
+                self.stage.clear_grad(bucket, slot)
+                slot.used_here = slot.used_anywhere = False
+                slot.local_grad = slot.wide_grad = None
+        elif grad is slot.grad_guard:
+            if grad._zero_cleared:
+                self.stage.clear_grad(bucket, slot)
+                if slot.local_grad is not None:
+                    slot.local_grad.zero_()
+                grad._zero_cleared = False
+        elif self.state is GradState.REDUCED:  # stage 0: a gradient the user set (stages 1-3 refuse)
+            self.stage.adopt_grad(bucket, slot)
+            slot.used_here = slot.used_anywhere = True
+
+    # ----- hooks ----------------------------------------------------------------------------------------
+
+    def _before_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self._pass.running:  # (also a backward nested in it: reentrant checkpointing)
+            self._flush()
+        else:
+            self._start_pass()
+
+    def _start_pass(self) -> None:
+        self.take_back()
+        if self.check is not None:
+            self.check()
+        self._reopened = self.state is GradState.REDUCED
+        for bucket in self.buckets:
+            if self._reopened:
+                self.stage.reopen(bucket)
+            for slot in bucket.slots:
+                self.stage.before_pass(bucket, slot)
+        self._pass.begin(weak_hook(self._end_pass))
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        slot = self.slots[index]
+        slot.used_here = True
+        if not self.sync_enabled:
+            if self.state is not GradState.REDUCING:
+                self._to(GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
+            _widen(slot)
+            return
+        if self.state is not GradState.REDUCING:
+            self._open_round()
+        if slot.ready:
+            raise RuntimeError(
+                f"zero: the gradient of {slot.name!r} arrived twice in one backward pass. This happens with "
+                "reentrant activation checkpointing (use torch.utils.checkpoint with use_reentrant=False) or "
+                "after an earlier backward pass was interrupted by an error (call opt.zero_grad() and retry)."
+            )
+        slot.ready = True
+        self._pending.append(slot)
+
+    def _flush(self) -> None:
+        """Hand the gradients marked ready to the stage; launch every bucket now complete, in order."""
+        for slot in self._pending:
+            self.stage.stage_grad(slot.bucket, slot)
+            slot.bucket.num_ready += 1
+        self._pending.clear()
+        while self._next < len(self.buckets) and self.buckets[self._next].is_ready:
+            self._launch(self.buckets[self._next])
+
+    def _open_round(self) -> None:
+        self._to(GradState.REDUCING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
+        for bucket in self.buckets:
+            bucket.start_round()
+        self._next = 0
+
+    def _end_pass(self) -> None:
+        """Autograd finished the pass: finish its reduction round, if it had one; publish ``p.grad``."""
+        self._flush()
+        reduced = self.state is GradState.REDUCING
+        if reduced:
+            self._finish_round()
+        elif self.state is GradState.REDUCED and self._reopened:  # no gradient came (torch.autograd.grad)
+            for bucket in self.buckets:
+                self.stage.close(bucket)
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                if reduced:  # the reduced gradients are in the stage's buffers now, whatever p.grad held
+                    slot.param.grad = self.stage.published_grad(bucket, slot) if slot.used_anywhere else None
+                elif slot.used_anywhere and slot.grad_guard is not None:
+                    # a reduced gradient plus this pass's local one: p.grad could show only the local part,
+                    # so it goes behind the guard like the rest (stage.before_pass brings it back)
+                    slot.local_grad, slot.param.grad = slot.param.grad, self.stage.published_grad(bucket, slot)
+                elif slot.used_anywhere and slot.param.grad is None:
+                    slot.param.grad = self.stage.published_grad(bucket, slot)
+
+    # ----- collectives -----------------------------------------------------------------------------------
+
+    def _launch(self, bucket: Bucket) -> None:
+        if len(self._in_flight) >= self.max_in_flight:
+            self._complete_oldest()
+        grads = self.stage.collect(bucket)
+        if self.scaler is not None:
+            self.scaler.observe(grads)
+        self._in_flight.append((bucket, self.stage.launch_reduce(bucket, self.comm)))
+        self._next += 1
+
+    def _complete_oldest(self) -> None:
+        bucket, handle = self._in_flight.popleft()
+        handle.wait()
+        self.stage.finish_reduce(bucket)
+
+    def _finish_round(self) -> None:
+        """End of a synchronized pass: launch what is left, agree on used parameters, drain."""
+        for bucket in self.buckets[self._next :]:
+            for slot in bucket.slots:
+                if not slot.ready:
+                    self.stage.stage_grad(bucket, slot)
+            self._launch(bucket)
+        local = [int(slot.used_here) for slot in self.slots]
+        steps = self.steps() % _AGREE_MOD if self.steps is not None else 0
+        local += [steps, -steps]  # MAX of both: equal to (v, -v) only if every rank had v
+        if self.fingerprint is not None:
+            value = self.fingerprint()
+            local += [value, -value]
+        flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
+        if self.scaler is not None:  # last: whether any rank's local gradients overflowed
+            flags = torch.cat([flags, self.scaler.local_flag()])
+        self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
+        while self._in_flight:
+            self._complete_oldest()
+        agreed = flags.tolist()
+        if self.scaler is not None:
+            self.scaler.agree(bool(agreed.pop()))
+        for slot, used in zip(self.slots, agreed):
+            slot.used_anywhere = bool(used)
+        self._to(GradState.REDUCED, GradState.REDUCING)
+        at = len(self.slots)
+        if agreed[at] != -agreed[at + 1]:
+            self.clear()
+            raise RuntimeError(
+                f"zero: ranks have taken different numbers of optimizer steps (this rank: {steps}): a rank skipped "
+                "step() (or took an extra one), e.g. under a condition on its own loss or data, so the ranks' "
+                "models have diverged. Every rank must call step() at the same points."
+            )
+        if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
+            self.clear()  # step() must not use these gradients
+            raise RuntimeError(
+                "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
+                "their control flow diverged (e.g. a branch or loop count that depends on each rank's data), so "
+                "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
+                "every rank run the same modules in the same order."
+            )
+
+    # ----- clearing -----------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """If the last pass died with an error: drain its collectives (every rank issued them, or the
+        wait times out) and mark the gradients incomplete."""
+        if not self._pass.interrupted:
+            return
+        self._pass.forget()
+        self._pending.clear()
+        while self._in_flight:
+            self._complete_oldest()
+        self.state = GradState.INTERRUPTED
+
+    def clear(self) -> None:
+        """Drop every gradient (``zero_grad(set_to_none=True)``): the stage frees what it can."""
+        self.settle()
+        for bucket in self.buckets:
+            self.stage.zero_grad(bucket, set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.reset()
+        self.state = GradState.EMPTY
+        for slot in self.slots:
+            slot.used_here = False
+            slot.used_anywhere = False
+            slot.wide_grad = None
+
+    def zero(self) -> None:
+        """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it
+        (after an interrupted pass, every gradient is dropped)."""
+        self.settle()
+        if self.state is GradState.INTERRUPTED:
+            self.clear()
+            return
+        self.take_back()
+        if self.state is not GradState.EMPTY:
+            for bucket in self.buckets:
+                self.stage.zero_grad(bucket, set_to_none=False)
+        for slot in self.slots:
+            slot.wide_grad = None
+        if self.scaler is not None:
+            self.scaler.reset()
+
+
+def _widen(slot: ParamSlot) -> None:
+    """Under ``no_sync()``, when the reduce dtype is wider than the parameters' (bf16 parameters, fp32
+    reduction): move the pass's gradient into an accumulator in the reduce dtype, so that micro-batches add
+    up in it (as FSDP2 does) rather than in bf16; the reduction adds it in (``StagedReduction.collect``).
+    ``p.grad`` stays, zeroed in place, for autograd to accumulate the next pass into (``0 + g`` is exact)."""
+    dtypes = slot.bucket.dtypes
+    grad = slot.param.grad
+    if grad is None or dtypes.reduce.itemsize <= dtypes.compute.itemsize:
+        return
+    if slot.wide_grad is None:
+        slot.wide_grad = grad.to(dtypes.reduce)
+    else:
+        slot.wide_grad.add_(grad)
+    grad.zero_()

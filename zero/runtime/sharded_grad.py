@@ -1,0 +1,86 @@
+"""What ``p.grad`` holds at stages 1-3 (and at stage 0 under mixed precision, where the reduced
+gradient belongs to the fp32 master) after a reduction: a guard, never a wrong number.
+
+At stages 1-3 no rank holds a parameter's whole reduced gradient (each holds its 1/N
+chunk), so ``p.grad`` cannot show it. Leaving ``p.grad`` as ``None`` (or as this rank's
+local, unreduced gradient) would let code that reads gradients go silently wrong:
+``torch.nn.utils.clip_grad_norm_`` would clip nothing or by a local norm, and
+``model.zero_grad()`` would have nothing to clear. So after each reduction ZeroOptimizer sets
+``p.grad`` of every parameter that has a gradient to a :class:`ShardedGrad`: a tensor of the
+right shape, dtype and device (one shared element, expanded) whose ``__torch_function__``
+
+* lets metadata queries through (shape, dtype, ``requires_grad_`` ...);
+* records ``zero_()`` (``model.zero_grad(set_to_none=False)``) so that the optimizer
+  clears the shards, exactly as PyTorch would have zeroed the gradient;
+* lets a no-op conversion through (``model.to(its own device)``) and refuses a real one;
+* refuses every other use with an error that names the parameter and the fix.
+
+Setting ``p.grad = None`` (``model.zero_grad()``, Hugging Face Trainer) is seen by the
+optimizer at the next backward pass, step or clip (``GradReducer.take_back``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.runtime.sharded_param import METADATA, cast_after_wrapping, convert_or_refuse, is_conversion, name_of
+
+_ZEROING = frozenset({"zero_", "_foreach_zero_"})
+_HARMLESS = frozenset({"detach_", "requires_grad_"})  # what zero_grad(set_to_none=False) calls first
+
+
+class ShardedGrad(torch.Tensor):
+    """``p.grad`` of a parameter whose reduced gradient is sharded (see the module docstring)."""
+
+    _zero_name: str = "?"
+    _zero_reason: str = "is sharded across ranks"
+    _zero_cleared: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = name_of(func)
+        guards = [a for a in _flat(args, kwargs) if type(a) is ShardedGrad]
+        if guards and name not in METADATA:
+            if name in _ZEROING:
+                for guard in guards:
+                    guard._zero_cleared = True
+                if name == "zero_":
+                    return args[0]
+                others = [t for t in args[0] if type(t) is not ShardedGrad]  # _foreach_zero_(list)
+                if others:
+                    torch._foreach_zero_(others)
+                return None
+            if name in _HARMLESS:
+                return args[0]
+            if is_conversion(func):
+                return convert_or_refuse(func, args, kwargs, cast_after_wrapping(guards[0]._zero_name))
+            raise RuntimeError(
+                f"zero: the reduced gradient of {guards[0]._zero_name!r} {guards[0]._zero_reason}, so p.grad "
+                f"holds no values (used in {name or func}). Clip with opt.clip_grad_norm_(max_norm) instead of "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see it; clear gradients "
+                "with opt.zero_grad() or model.zero_grad(). Stage 0 without mixed precision keeps whole "
+                "gradients in p.grad."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _flat(args, kwargs):
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, (list, tuple)):
+            yield from arg
+        else:
+            yield arg
+
+
+def sharded_grad(param: torch.Tensor, name: str, reason: str, base: torch.Tensor) -> ShardedGrad:
+    """A guard for ``param.grad``: ``base`` (a one-element tensor of its dtype and device) expanded to its
+    shape; ``reason`` completes "the reduced gradient of <name> ..." in its errors."""
+    guard = torch.Tensor._make_subclass(ShardedGrad, base.expand(param.shape), False)
+    guard._zero_name = name
+    guard._zero_reason = reason
+    return guard

@@ -1,0 +1,77 @@
+"""Stage 3: also shard the parameters.
+
+Each rank keeps only its chunk of every bucket (``shard_buffer``, ``1/N`` of the model);
+the optimizer updates it in place and nothing is gathered after the step. A bucket's
+full ``param_buffer`` exists only while its unit is gathered: :class:`ParamGatherer`
+(``zero.runtime.gatherer``) calls :meth:`unshard` before the unit's forward and again
+before its backward, and :meth:`reshard` after each. Gradients are handled exactly as at
+stage 2 (staged per bucket, reduce-scattered, kept as a ``1/N`` shard).
+
+While sharded, every parameter's ``.data`` is a guarded placeholder (see
+``zero.runtime.sharded_param``), never a view of released memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero.comm import Communicator, Handle
+from zero.runtime.bucket import Bucket
+from zero.runtime.flat_buffer import FlatBuffer
+from zero.runtime.sharded_param import make_sharded, placeholder, set_data
+from zero.runtime.stages.stage2 import Stage2
+
+
+class Stage3(Stage2):
+    number = 3
+
+    def init_params(self, bucket: Bucket) -> None:
+        """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
+        buf = bucket.param_buffer
+        bucket.make_views()
+        device = bucket.placement.shard_device or buf.data.device  # host memory with offload.params
+        pin = bucket.placement.pin and bucket.placement.shard_device is not None
+        bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, device, pin=pin)  # padding: zeros
+        for slot in bucket.slots:
+            bucket.copy_to_shard(slot, slot.param)
+        nan = placeholder((), buf.dtype, buf.data.device)  # one element, shared by the bucket's placeholders
+        for slot in bucket.slots:
+            make_sharded(slot.param, slot.name)
+            slot.placeholder = nan.expand(slot.param.shape)
+            set_data(slot.param, slot.placeholder, sharded=True)
+
+    def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:
+        """Nothing after the step: the next forward gathers the updated shards."""
+        return None
+
+    # ----- gathering, driven by ParamGatherer --------------------------------------------------------
+
+    def unshard(self, bucket: Bucket, comm: Communicator) -> Handle:
+        """Allocate ``param_buffer`` and start gathering every rank's chunk into it."""
+        assert bucket.shard_buffer is not None
+        bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
+        source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
+        return comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}")
+
+    def attach(self, bucket: Bucket) -> None:
+        """The gather has completed: point each parameter at its whole value."""
+        for slot in bucket.slots:
+            set_data(slot.param, slot.view, sharded=False)
+
+    def write_back(self, bucket: Bucket) -> None:
+        """Copy edits made to the gathered parameters into this rank's shard."""
+        with torch.no_grad():
+            bucket.shard.copy_(bucket.chunk_of(bucket.param_buffer))
+
+    def hand_over(self, bucket: Bucket) -> None:
+        """Let tensors taken from the gathered parameters (e.g. a ``state_dict()``) keep their values:
+        the bucket gathers into a new storage from now on and the old one lives as long as they do.
+        (The parameters still point at the old storage: :meth:`reshard` is what comes next.)"""
+        bucket.param_buffer.disown()
+        bucket.make_views()
+
+    def reshard(self, bucket: Bucket) -> None:
+        """Release ``param_buffer`` and point each parameter at its placeholder."""
+        for slot in bucket.slots:
+            set_data(slot.param, slot.placeholder, sharded=True)
+        bucket.param_buffer.free()

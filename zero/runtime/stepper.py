@@ -1,0 +1,141 @@
+"""Stepping the wrapped optimizer one bucket at a time, with the kernel that suits the bucket.
+
+The optimizer step is split by bucket so that each bucket's updated parameters can be shared while
+the next one steps: the all-gather of stages 1-2 (launched by the caller) and, with CPU offload, the
+copy of the low-precision parameters back up to the GPU run behind the next bucket's host step. A
+bucket is stepped by giving only its pieces a ``.grad`` and calling the wrapped optimizer's
+``step()``: torch optimizers skip parameters without a gradient, and every supported optimizer acts
+element by element, so the split changes no number.
+
+``ZeroConfig.step_kernel`` chooses the kernel of mixed-precision Adam and AdamW on the device:
+
+* ``"torch"``: the wrapped optimizer, then the master cast into the bf16 parameters (two passes);
+* ``"triton"``: one Triton pass per piece (``zero.kernels.triton_adamw``) that reads the gradient, master,
+  m and v and writes master, m, v and the bf16 parameter; the optimizer's state keeps torch's format
+  (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints and schedulers are unaffected;
+* ``"auto"`` (default): Triton where it applies (a CUDA device, Triton installed, bf16 parameters with fp32
+  masters kept on the device, Adam/AdamW without ``amsgrad``, ``maximize`` or ``differentiable``),
+  otherwise torch. The offloaded (host) step is always torch's, whose fused CPU kernel is at memory
+  bandwidth (``benchmarks/optimizer_step.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from zero.config import StepKernel
+from zero.runtime.bucket import Bucket, LocalPiece
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_unsuitable(optimizer: torch.optim.Optimizer, bucket: Bucket) -> str | None:
+    """Why the Triton step cannot step ``bucket`` (``None``: it can)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"it implements Adam and AdamW only (got {type(optimizer).__name__})"
+    for key in ("amsgrad", "maximize", "differentiable"):
+        if any(group.get(key) for group in optimizer.param_groups):
+            return f"it does not implement {key}=True"
+    if bucket.master_buffer is None or bucket.dtypes.compute != torch.bfloat16:
+        return "it steps fp32 masters into bf16 parameters (precision.param_dtype='bf16')"
+    if bucket.offloaded:
+        return "the offloaded step runs on the host (torch's fused CPU kernel)"
+    device = bucket.master.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the tensors are on {device.type}, not CUDA (TRITON_INTERPRET=1 runs it on the CPU, for tests)"
+    return None
+
+
+class BucketStepper:
+    """Steps the wrapped optimizer bucket by bucket (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], kernel: StepKernel):
+        self.optimizer = optimizer
+        self.triton: set[int] = set()  # indices of the buckets the Triton step takes
+        if kernel == "auto":
+            buckets = [b for b in buckets if b.master.device.type == "cuda"]
+        if kernel == "torch" or not buckets:
+            return
+        if not triton_available():
+            if kernel == "triton":
+                raise ValueError("step_kernel='triton' needs the triton package (pip install triton), or use 'auto'")
+            return
+        for bucket in buckets:
+            reason = triton_unsuitable(optimizer, bucket)
+            if reason is None:
+                self.triton.add(bucket.index)
+            elif kernel == "triton":
+                raise ValueError(f"step_kernel='triton' cannot step {bucket}: {reason}. Use step_kernel='auto'.")
+
+    @torch.no_grad()
+    def step(self, bucket: Bucket, step_kwargs: dict[str, Any]) -> None:
+        """Update the bucket's master chunk and this rank's chunk of its parameters (``step_kwargs``: what
+        the user passed to ``step()``, for an optimizer whose ``step`` takes more than a closure)."""
+        if bucket.index in self.triton and not step_kwargs:
+            self._triton_step(bucket)
+            return
+        self.update_master(bucket, self.optimizer, step_kwargs=step_kwargs)
+        bucket.push_master()
+
+    @staticmethod
+    @torch.no_grad()
+    def update_master(
+        bucket: Bucket,
+        optimizer: torch.optim.Optimizer,
+        grads: torch.Tensor | None = None,
+        pieces: list[LocalPiece] | None = None,
+        step_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Step ``optimizer`` (the wrapped one, or a copy of it: ``zero.runtime.delayed``) over the bucket's ``pieces``
+        (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
+        ``grads`` (a chunk-sized tensor) if given."""
+        if pieces is None:
+            pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
+        for piece in pieces:
+            piece.tensor.grad = (
+                bucket.grad_piece(piece) if grads is None
+                else grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+            )
+        try:
+            # the class's step: not a wrapper an LR scheduler set on the instance
+            type(optimizer).step(optimizer, **(step_kwargs or {}))
+        finally:
+            for piece in pieces:
+                piece.tensor.grad = None
+
+    def _triton_step(self, bucket: Bucket) -> None:
+        from zero.kernels.triton_adamw import adamw_step_
+
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
+        for piece in bucket.pieces:
+            if not piece.slot.used_anywhere:  # torch skips a parameter without a gradient
+                continue
+            group = self.optimizer.param_groups[piece.slot.group_index]
+            state = self.optimizer.state[piece.tensor]
+            if not state:  # as torch.optim.Adam initializes it (a CPU step count unless fused or capturable)
+                on_device = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=piece.tensor.device if on_device else None)
+                state["exp_avg"] = torch.zeros_like(piece.tensor, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(piece.tensor, memory_format=torch.preserve_format)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            adamw_step_(
+                piece.tensor,
+                bucket.grad_piece(piece),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                bucket.shard.narrow(0, piece.piece.chunk_start, piece.piece.numel),
+                step=int(state["step"].item()),
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=decoupled or bool(group.get("decoupled_weight_decay")),
+            )
