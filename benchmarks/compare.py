@@ -10,11 +10,14 @@ Every contender trains its own copy of the same GPT (same seed, same batches, Ad
   and prefetch buckets of our bucket size (25 MB; DeepSpeed's defaults, 5e8 elements, take 1.9 GB here)
 * ``zero-0`` .. ``zero-3``, ``zero-2-offload``, ``zero-2-bf16``  ``ZeroOptimizer``, also with optimizer offload
   and with bf16 mixed precision (fp32 masters)
+* ``zero-3-keep``            stage 3 with ``reshard_after_forward=False``: units stay gathered from forward to
+  backward (2Ψ traffic instead of 3Ψ, more memory)
 
 Measured, per contender:
 
 * **step time**: forward + backward + step + zero_grad after a barrier, max over ranks; the median of the
-  timed steps, interleaved (each step runs every contender once, the order rotating);
+  timed steps, interleaved (each step runs every contender once, the order rotating), and their interquartile
+  range (how noisy the median is);
 * **peak memory** per rank (max over ranks): on CPU the C allocator's bytes in use (glibc ``mallinfo2``)
   read after every operator (collectives included) and around the step, over what was in use before the
   contender was built (reading only at module hooks misses peaks inside a module: FSDP2's all-gather
@@ -33,6 +36,11 @@ Measured, per contender:
 Before any time is reported the script checks that every contender's losses agree with DDP's at every
 step (fp32: 1e-3 relative, since Adam turns rounding differences into diverging updates over the run;
 bf16: 3e-2); the table shows each contender's largest gap. Results: a table of ratios to DDP, ``--json`` and ``--plot``.
+
+Below the table, the step-time targets, each PASS or FAIL: stages 1 and 2 <= 1.05x DDP and stage 1 no slower than
+``ZeroRedundancyOptimizer``; stage 3 <= 1.15x DDP and no slower than FSDP2 (the same units, resharding after
+forward). On a 2-core machine step times are noisy (see the IQR column): compare ratios across a few runs before
+trusting a single PASS or FAIL near a limit.
 
 With CUDA it runs on each rank's GPU with NCCL (peak memory from the CUDA allocator; the traffic column
 then counts nothing, as NCCL does not write to sockets on one machine). Not yet run on a GPU.
@@ -72,6 +80,8 @@ from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthet
 LR, WD = 3e-4, 0.1
 LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
+TIME_LIMITS = {"zero-1": 1.05, "zero-2": 1.05, "zero-3": 1.15}  # step-time targets: largest ratio to DDP
+TIME_PEERS = (("zero-1", "zro"), ("zero-3", "fsdp2"))  # step-time targets: ours no slower than the peer
 DEVICE = (
     torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0)) if torch.cuda.is_available() else torch.device("cpu")
 )
@@ -194,6 +204,7 @@ def specs() -> list[Spec]:
         out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2),
                 Spec("ds-3", _deepspeed(3), 3, gathers=2), Spec("ds-offload", _deepspeed(2, offload=True), 2)]
     out += [Spec(f"zero-{s}", _zero(s), s, gathers=2 if s == 3 else 1) for s in range(4)]
+    out += [Spec("zero-3-keep", _zero(3, reshard_after_forward=False), 3)]
     out += [Spec("zero-2-offload", _zero(2, offload={"optimizer": "cpu"}), 2),
             Spec("zero-2-bf16", _zero(2, precision={"param_dtype": "bf16"}), 2, param_bytes=2, grad_bytes=4,
                  optimizer_bytes=12, low_precision=True)]
@@ -349,16 +360,41 @@ def theory_sent(spec: Spec, numel: int, world: int) -> float:
     return share * (spec.grad_bytes + spec.gathers * spec.param_bytes)
 
 
+def iqr(times: list[float]) -> float:
+    """Interquartile range of the step times: how noisy their median is."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return q3 - q1
+
+
+def time_checks(rows: list[dict]) -> list[dict]:
+    """The step-time targets of the contenders in ``rows``: a ratio to DDP, or to a peer, against its limit."""
+    by_name = {r["name"]: r for r in rows}
+    checks = [{"check": f"{name} vs ddp", "ratio": by_name[name]["time_x_ddp"], "limit": limit}
+              for name, limit in TIME_LIMITS.items() if name in by_name]
+    checks += [{"check": f"{ours} vs {peer}", "ratio": by_name[ours]["median_ms"] / by_name[peer]["median_ms"],
+                "limit": 1.0} for ours, peer in TIME_PEERS if ours in by_name and peer in by_name]
+    return [{**c, "passed": c["ratio"] <= c["limit"]} for c in checks]
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'contender':<15}{'step ms':>9}{'x DDP':>7}{'peak MiB':>10}{'x DDP':>7}{'state/formula':>15}"
+    head = (f"{'contender':<15}{'step ms':>9}{'IQR':>7}{'x DDP':>7}{'peak MiB':>10}{'x DDP':>7}{'state/formula':>15}"
             f"{'sent/theory':>13}{'exposed':>9}{'loss gap':>10}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['name']:<15}{r['median_ms']:>9.1f}{r['time_x_ddp']:>7.2f}{r['peak'] / 2**20:>10.1f}"
+        lines.append(f"{r['name']:<15}{r['median_ms']:>9.1f}{r['iqr_ms']:>7.1f}{r['time_x_ddp']:>7.2f}"
+                     f"{r['peak'] / 2**20:>10.1f}"
                      f"{r['peak_x_ddp']:>7.2f}{r['state_x_formula']:>15.2f}{r['sent_x_theory']:>13.2f}"
                      + (f"{r['exposed']:>9.1%}" if r["exposed"] is not None else f"{'n/a':>9}")
                      + f"{r['loss_deviation']:>10.1e}")
     return "\n".join(lines)
+
+
+def checks_table(checks: list[dict]) -> str:
+    return "\n".join(["step-time targets:"] + [
+        f"  {c['check']:<15} {c['ratio']:.3f} (<= {c['limit']:.2f})  {'PASS' if c['passed'] else 'FAIL'}"
+        for c in checks])
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -393,7 +429,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="global batch (split over ranks)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--only", default=None, help="comma-separated contenders (ddp is always run)")
-    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--json", default=None, help="write the rows, the checks and every step time here")
     p.add_argument("--plot", default=None, help="write a PNG of the table here")
     add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
     p.add_argument("--fake-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -437,8 +473,9 @@ def main() -> None:
             raise SystemExit(f"{spec.name}: losses differ from DDP's by {deviation[spec.name]:.2e} (> {tol:.0e}); "
                              "not reporting times")
     log(f"losses agree with DDP's over {args.warmup + args.steps} steps", flush=True)
-    results = {n: {"median_ms": statistics.median(c.times_ms), "sent": statistics.median(c.sent),
-                   "loss_deviation": deviation[n]} for n, c in contenders.items()}
+    results = {n: {"median_ms": statistics.median(c.times_ms), "iqr_ms": iqr(c.times_ms),
+                   "sent": statistics.median(c.sent), "loss_deviation": deviation[n]} for n, c in contenders.items()}
+    times_ms = {n: c.times_ms for n, c in contenders.items()}  # every timed step, for the JSON
     del contenders
     gc.collect()
     for _ in range(2):  # each contender twice, in turn, keeping its lower figures: the first one measured in
@@ -461,9 +498,11 @@ def main() -> None:
             "exposed": (None if fake[spec.name] is None
                         else max(0.0, (r["median_ms"] - fake[spec.name]) / r["median_ms"])),
         })
-    log("\n" + table(rows))
+    checks = time_checks(rows)
+    log("\n" + table(rows) + "\n\n" + checks_table(checks))
     if rank == 0 and args.json:
-        json.dump({"world": world, "params": numel, "config": vars(cfg), "rows": rows}, open(args.json, "w"), indent=2)
+        json.dump({"world": world, "params": numel, "config": vars(cfg), "rows": rows, "checks": checks,
+                   "times_ms": times_ms}, open(args.json, "w"), indent=2)
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"GPT {numel / 1e6:.1f}M params, world size {world}: ratios to DDP")
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ import zero
 from zero.estimator import Workload, estimate
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
-# benchmarks/step_time.py's model: 3.3M parameters, one 12.7 MiB bucket
+# benchmarks/compare.py's model: 3.3M parameters, one 12.7 MiB bucket
 BENCH = GPTConfig(vocab_size=512, seq_len=128, d_model=256, num_layers=4, num_heads=4)
 MICRO_BATCHES = (2, 4)  # sequences per rank
 STAGES = (0, 1, 2, 3)
