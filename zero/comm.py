@@ -3,8 +3,8 @@
 Every collective goes through a :class:`Communicator`, which
 
 * checks that every tensor it sends lives on its ``device`` (the one the backend moves);
-* counts payload elements and bytes per collective kind, for the current step
-  and for the last completed one (``CommStats``);
+* counts payload elements and bytes (on the wire) per collective kind, for the
+  current step and for the last completed one (``CommStats``);
 * returns a :class:`Handle` whose ``wait()`` carries a timeout and turns a timeout
   or a dead peer into an error that says which collective was waiting and why, after
   aborting the process group so that the process can exit;
@@ -13,6 +13,12 @@ Every collective goes through a :class:`Communicator`, which
 
 Payload conventions (the ZeRO paper's): a reduce-scatter's payload is its input,
 an all-gather's its output, an all-reduce's and a broadcast's their tensor.
+
+Note: every all-gather and reduce-scatter passes through the communicator's ``codec`` (:mod:`zero.codec`),
+which decides how what it moves is encoded (the identity by default; ZeRO++'s block-quantized weights and
+all-to-all gradient reduction are the codecs this seam is for) and composes the raw collectives of a
+:class:`GroupTransport`, the only code that sends them. Their ``numel`` counts the payload above, their ``bytes``
+the bytes on the wire (the payload's own with the identity codec).
 
 Note: on gloo a reduce-scatter is an all-reduce of its input, and an all-gather one broadcast per rank.
 Gloo's own reduce-scatter sends what an all-reduce sends anyway, and the broadcasts send what its all-gather
@@ -33,11 +39,12 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from zero.codec import Codec, IdentityCodec, Work, Works
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
@@ -63,12 +70,14 @@ class CommStats:
     current: dict[str, KindStats] = field(default_factory=lambda: defaultdict(KindStats))
     last_step: dict[str, KindStats] = field(default_factory=dict)
 
-    def record(self, kind: str, tensor: torch.Tensor) -> KindStats:
-        """Count one collective; its handle adds the time waited for it to the returned entry."""
+    def record(self, kind: str, tensor: torch.Tensor, *, sent: bool = True) -> KindStats:
+        """Count one collective of payload ``tensor``; its handle adds the time waited for it to the returned
+        entry. ``sent=False``: a codec sends it, and its :class:`GroupTransport` counts the bytes on the wire."""
         entry = self.current[kind]
         entry.calls += 1
         entry.numel += tensor.numel()
-        entry.bytes += tensor.numel() * tensor.element_size()
+        if sent:
+            entry.bytes += tensor.numel() * tensor.element_size()
         return entry
 
     def end_step(self) -> None:
@@ -78,20 +87,6 @@ class CommStats:
     def as_dict(self, which: str = "last_step") -> dict[str, dict[str, float]]:
         stats = self.last_step if which == "last_step" else self.current
         return {kind: vars(entry).copy() for kind, entry in sorted(stats.items())}
-
-
-class _Works:
-    """Several works waited on as one; ``then`` runs once they have completed."""
-
-    def __init__(self, works: list[Any], then: Callable[[], None] | None = None):
-        self.works = works
-        self.then = then
-
-    def wait(self, timeout: datetime.timedelta) -> None:
-        for work in self.works:
-            work.wait(timeout=timeout)
-        if self.then is not None:
-            self.then()
 
 
 class Handle:
@@ -177,11 +172,62 @@ def _check_launcher_world() -> None:
         )
 
 
+class GroupTransport:
+    """The raw collectives a codec composes (:class:`zero.codec.Transport`), over ``comm``'s group, each
+    adding its payload's bytes to ``stats`` (the entry of the collective being encoded): bytes on the wire."""
+
+    def __init__(self, comm: Communicator, stats: KindStats):
+        self.rank, self.world_size, self.device, self.backend = comm.rank, comm.world_size, comm.device, comm.backend
+        self._group = comm.group
+        self._stats = stats
+
+    def _sent(self, tensor: torch.Tensor) -> None:
+        self._stats.bytes += tensor.numel() * tensor.element_size()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
+        self._sent(output)
+        if self.backend == "gloo":  # see the module's Note
+            n = input.numel()
+            mine = output.narrow(0, self.rank * n, n)
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input)
+            chunks = [output.narrow(0, r * n, n) for r in range(self.world_size)]
+            return Works([
+                dist.broadcast(chunk, dist.get_global_rank(self._group, r), group=self._group, async_op=True)
+                for r, chunk in enumerate(chunks)
+            ])
+        return _all_gather_into_tensor(output, input, group=self._group, async_op=True)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
+        self._sent(input)
+        if self.backend == "gloo":  # see the module's Note
+            chunk = input.narrow(0, self.rank * output.numel(), output.numel())
+            work = dist.all_reduce(input, group=self._group, async_op=True)
+            if chunk.data_ptr() == output.data_ptr():
+                return work
+
+            def then() -> None:
+                output.copy_(chunk)
+
+            return Works([work], then)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return fn(output, input, group=self._group, async_op=True)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        assert output.numel() == input.numel() and input.numel() % self.world_size == 0, (output.shape, input.shape)
+        self._sent(input)
+        return dist.all_to_all_single(output, input, group=self._group, async_op=True)
+
+
 class Communicator:
     """Collectives over one process group, or none at all (world size 1).
 
     ``device``: where every tensor sent must live (default: the current GPU with NCCL, else
-    the CPU). ``force_collectives``: issue real collectives even in a world of one.
+    the CPU). ``force_collectives``: issue real collectives even in a world of one. ``codec``:
+    how all-gathers and reduce-scatters encode what they move (:mod:`zero.codec`; default
+    :class:`~zero.codec.IdentityCodec`); an attribute, which may be replaced between collectives.
     """
 
     def __init__(
@@ -191,6 +237,7 @@ class Communicator:
         *,
         device: torch.device | str | None = None,
         force_collectives: bool = False,
+        codec: Codec | None = None,
     ):
         initialized = dist.is_available() and dist.is_initialized()
         if group is None and initialized:
@@ -203,6 +250,7 @@ class Communicator:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = _resolve_device(device, self.backend)
         self.force_collectives = force_collectives
+        self.codec: Codec = codec if codec is not None else IdentityCodec()
         self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
 
@@ -263,13 +311,8 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
-        stats = self.stats.record("reduce_scatter", input)
-        if self.backend == "gloo":  # see the module's Note
-            chunk = input.narrow(0, self.rank * output.numel(), output.numel())
-            then = None if chunk.data_ptr() == output.data_ptr() else partial(output.copy_, chunk)
-            return self._handle(_Works([dist.all_reduce(input, group=self.group, async_op=True)], then), what, stats)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return self._handle(fn(output, input, group=self.group, async_op=True), what, stats)
+        stats = self.stats.record("reduce_scatter", input, sent=False)
+        return self._handle(self.codec.reduce_scatter(output, input, GroupTransport(self, stats)), what, stats)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather") -> Handle:
         """Concatenate every rank's ``input`` into ``output`` (1D); ``input`` may alias its chunk of ``output``."""
@@ -279,18 +322,8 @@ class Communicator:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return self._handle(None, what)
-        stats = self.stats.record("all_gather", output)
-        if self.backend == "gloo":  # see the module's Note
-            n = input.numel()
-            mine = output.narrow(0, self.rank * n, n)
-            if mine.data_ptr() != input.data_ptr():
-                mine.copy_(input)
-            chunks = [output.narrow(0, r * n, n) for r in range(self.world_size)]
-            return self._handle(_Works([
-                dist.broadcast(chunk, dist.get_global_rank(self.group, r), group=self.group, async_op=True)
-                for r, chunk in enumerate(chunks)
-            ]), what, stats)
-        return self._handle(_all_gather_into_tensor(output, input, group=self.group, async_op=True), what, stats)
+        stats = self.stats.record("all_gather", output, sent=False)
+        return self._handle(self.codec.all_gather(output, input, GroupTransport(self, stats)), what, stats)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str = "broadcast") -> Handle:
         """Overwrite ``tensor`` with group rank ``src``'s copy."""

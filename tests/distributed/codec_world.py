@@ -1,0 +1,148 @@
+"""What each rank runs in ``test_codec_world.py`` (the collective codec seam, ``zero.codec``).
+
+One world per world size runs both parts and returns plain data; the test compares it with exact values:
+
+* ``comm_checks``: all-gathers (out of place, in place, bfloat16) and reduce-scatters (out of place, in place), all
+  launched before any is waited for, through a forced communicator with the default (identity) codec, through
+  today's raw ``torch.distributed`` calls (``comm.py``'s gloo path: one broadcast per rank, an all-reduce of the
+  input) and through one with the test double (``tests.codecs.Bf16WireCodec``);
+* ``training`` (world sizes 2 and 3): a small GPT trained with SGD at stages 2 and 3, once with the identity codec
+  and once with the double swapped in after construction, recording losses, the final parameters, and per step
+  ``opt.comm_stats`` and what the double counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.codecs import Bf16WireCodec
+from zero import ZeroOptimizer
+from zero.codec import IdentityCodec
+from zero.comm import Communicator
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
+
+N = 7  # elements per rank's chunk
+CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
+STEPS = 4
+BUCKET_MB = 0.01  # ~2.6k fp32 elements: several buckets, shards padded unevenly at 3 ranks
+LR, MOMENTUM = 0.05, 0.9
+STAGES = (2, 3)
+KINDS = ("all_gather", "reduce_scatter")
+
+
+def _values(gen: torch.Generator, k: int) -> torch.Tensor:
+    """Normal values over six orders of magnitude, so that a bound relative to each element is tested."""
+    return torch.randn(k, generator=gen) * 10.0 ** torch.randint(-3, 4, (k,), generator=gen)
+
+
+def inputs_of(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return {
+        "gather": _values(gen, N),
+        "gather_bf16": _values(gen, N).to(torch.bfloat16),
+        "reduce": _values(gen, world_size * N),
+    }
+
+
+def _run(comm: Communicator, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every all-gather and reduce-scatter case, launched first, then waited for in launch order."""
+    world, rank = comm.world_size, comm.rank
+    out = {
+        "gather": torch.full((world * N,), float("nan")),
+        "gather_in_place": torch.full((world * N,), float("nan")),
+        "gather_bf16": torch.full((world * N,), float("nan"), dtype=torch.bfloat16),
+        "reduce": torch.full((N,), float("nan")),
+        "reduce_in_place": inputs["reduce"].clone(),
+    }
+    own = out["gather_in_place"].narrow(0, rank * N, N)
+    own.copy_(inputs["gather"])
+    in_place_chunk = out["reduce_in_place"].narrow(0, rank * N, N)
+    handles = [
+        comm.all_gather(out["gather"], inputs["gather"]),
+        comm.all_gather(out["gather_in_place"], own),
+        comm.all_gather(out["gather_bf16"], inputs["gather_bf16"]),
+        comm.reduce_scatter(out["reduce"], inputs["reduce"].clone()),
+        comm.reduce_scatter(in_place_chunk, out["reduce_in_place"]),
+    ]
+    for handle in handles:
+        handle.wait()
+    out["reduce_in_place"] = in_place_chunk.clone()
+    return out
+
+
+def _raw(rank: int, world_size: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same collectives as ``comm.py`` issued them before the codec seam (its gloo path)."""
+    out = {}
+    for name in ("gather", "gather_bf16"):
+        chunks = [inputs[name].clone() if r == rank else torch.empty_like(inputs[name]) for r in range(world_size)]
+        for r, chunk in enumerate(chunks):
+            dist.broadcast(chunk, r)
+        out[name] = torch.cat(chunks)
+    summed = inputs["reduce"].clone()
+    dist.all_reduce(summed)
+    out["reduce"] = summed.narrow(0, rank * N, N).clone()
+    return out
+
+
+def _stats(comm: Communicator) -> dict:
+    stats = comm.stats.as_dict("current")
+    for entry in stats.values():
+        entry.pop("wait_s")
+    return stats
+
+
+def comm_checks(rank: int, world_size: int) -> dict:
+    inputs = inputs_of(rank, world_size)
+    identity = Communicator(force_collectives=True, timeout_s=60)
+    double = Bf16WireCodec()
+    lossy = Communicator(force_collectives=True, timeout_s=60, codec=double)
+    return {
+        "default_codec": type(identity.codec).__name__,
+        "identity": _run(identity, inputs),
+        "identity_stats": _stats(identity),
+        "raw": _raw(rank, world_size, inputs),
+        "double": _run(lossy, inputs),
+        "double_stats": _stats(lossy),
+        "double_counts": double.counts(),
+    }
+
+
+def _train(rank: int, world_size: int, stage: int, swap: bool) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), model, stage=stage,
+                        bucket_size_mb=BUCKET_MB)
+    default = type(opt.comm.codec).__name__
+    double = Bf16WireCodec()
+    if swap:
+        opt.comm.codec = double
+    losses, stats, counts = [], [], []
+    for step in range(STEPS):
+        x, y = synthetic_batch(step % 2, GLOBAL_BATCH, CFG)
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats.append({kind: {k: v for k, v in entry.items() if k != "wait_s"}
+                      for kind, entry in opt.comm_stats.items()})
+        counts.append(double.counts())
+        double.reset()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+    opt.comm.codec = IdentityCodec()  # read the parameters exactly as they are (stage 3 gathers them)
+    with opt.gathered_parameters():
+        params = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    return {"default": default, "losses": losses, "params": params, "stats": stats, "counts": counts}
+
+
+def codec_checks(rank: int, world_size: int) -> dict:
+    result = {"comm": comm_checks(rank, world_size)}
+    if world_size > 1:
+        result["training"] = {stage: {"identity": _train(rank, world_size, stage, swap=False),
+                                      "double": _train(rank, world_size, stage, swap=True)} for stage in STAGES}
+    return result

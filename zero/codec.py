@@ -1,0 +1,129 @@
+"""Collective codecs: how an all-gather or a reduce-scatter encodes what it moves.
+
+Every all-gather and reduce-scatter of :class:`~zero.comm.Communicator` passes through its ``codec``. The
+communicator checks devices and sizes, takes the world-of-one fast path (nothing sent, no codec involved),
+counts the collective and wraps what the codec returns in a :class:`~zero.comm.Handle` (timeout, abort,
+time waited); the codec decides everything in between: the wire format (dtype, packing, scales) and, for a
+reduction, the algorithm. It never calls ``torch.distributed``: the communicator hands it a
+:class:`Transport`, the raw collectives over its group, and the codec composes them.
+
+Today there is one real codec, :class:`IdentityCodec`: the tensors themselves, in one collective each, exactly
+what ``zero`` always sent. The ones this seam is for are ZeRO++'s (Wang et al., 2023):
+
+* **qwZ**, block-quantized weights: :meth:`Codec.all_gather` quantizes this rank's shard to int8 with one scale
+  per block (e.g. 256 elements), all-gathers the int8 blocks and their scales, and on ``wait()`` dequantizes
+  every other rank's chunk into ``output`` in the compute dtype. (All-gathers move parameters: stage 3's
+  gathers, and stages 1-2's after the step.)
+* **qgZ**, quantized gradient reduction: :meth:`Codec.reduce_scatter` quantizes each destination's chunk of the
+  gradients, exchanges them with one :meth:`Transport.all_to_all` (chunk ``r`` goes to rank ``r``) and, on
+  ``wait()``, dequantizes the ``world_size`` chunks it received and sums them in fp32 into ``output``: one
+  quantization per gradient, not one per hop as a quantized ring all-reduce would compound. (Reduce-scatters
+  move gradients.)
+
+Contract of a codec (``n`` is the chunk size; every rank calls it with the same sizes, in the same order):
+
+* ``all_gather(output, input, transport)``: ``input`` (``n``) may be this rank's chunk of ``output``
+  (``world_size * n``). When the returned work has been waited for, chunk ``r`` of ``output`` holds the codec's
+  decoding of rank ``r``'s ``input``, and this rank's own chunk holds ``input`` exactly (left untouched when it
+  aliases it: at stages 1-2 it is the shard the optimizer steps, the master weights without mixed precision).
+* ``reduce_scatter(output, input, transport)``: ``output`` (``n``, possibly this rank's chunk of ``input``)
+  receives this rank's chunk of the sum over ranks of ``input`` (``world_size * n``); ``input``'s other chunks
+  are scratch afterwards.
+* A lossy codec states its error bound; ``output`` keeps its dtype whatever the wire's is.
+* Everything the codec sends goes through ``transport``, so that it is counted (see below). What it issues
+  before returning goes out in launch order, as every collective; a second phase issued from :class:`Works`'
+  ``then`` goes out when the handle is waited for, so it relies on every rank waiting for its handles in the
+  same order too.
+
+Counters: a collective's ``calls`` and ``numel`` in ``Communicator.stats`` are the ZeRO paper's payload (an
+all-gather's output, a reduce-scatter's input, in elements: what the algorithm moves, whatever the codec), and
+its ``bytes`` are the bytes on the wire, the sum of what its transport calls moved (an all-gather's output, a
+reduce-scatter's and an all-to-all's input). With the identity codec ``bytes`` is ``numel`` times the element
+size, as it always was; a codec that shrinks the payload shows it as ``bytes`` below that.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Protocol
+
+import torch
+
+
+class Work(Protocol):
+    """An in-flight operation: ``torch.distributed``'s async work, or a :class:`Works`."""
+
+    def wait(self, timeout: datetime.timedelta) -> object: ...
+
+
+class Works:
+    """Several works waited on as one; ``then`` runs once they have completed (a codec decodes there).
+
+    ``then`` may return another work (a codec's second phase, see the module's contract), waited for too.
+    """
+
+    def __init__(self, works: list[Work], then: Callable[[], Work | None] | None = None):
+        self.works = works
+        self.then = then
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self.works:
+            work.wait(timeout=timeout)
+        if self.then is not None:
+            more = self.then()
+            if more is not None:
+                more.wait(timeout=timeout)
+
+
+class Transport(Protocol):
+    """The raw collectives over one communicator's group, for a codec to compose (``zero.comm`` implements it).
+
+    Each call starts one asynchronous collective and adds its payload's bytes to the current collective's
+    ``bytes`` (bytes on the wire). Tensors are 1D, contiguous, on ``device``; sizes are checked, dtypes are the
+    caller's (any dtype the backend moves: gloo and NCCL move int8 and bfloat16).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Concatenate every rank's ``input`` into ``output`` (``world_size`` times larger); ``input`` may alias
+        this rank's chunk of ``output``. Counts ``output``."""
+        ...
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Sum ``input`` over ranks into ``output`` (this rank's chunk; it may alias that chunk of ``input``);
+        afterwards the rest of ``input`` is unspecified. Counts ``input``."""
+        ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """Chunk ``r`` of ``input`` goes to rank ``r``; chunk ``r`` of ``output`` (same size as ``input``, not
+        aliasing it) comes from rank ``r``. Counts ``input``."""
+        ...
+
+
+class Codec:
+    """How the all-gathers and reduce-scatters of a :class:`~zero.comm.Communicator` encode what they move (see
+    the module's docstring for the contract). A subclass overrides both methods; each returns the work whose
+    ``wait()`` completes the collective."""
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
+        raise NotImplementedError
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class IdentityCodec(Codec):
+    """The tensors as they are, one collective each: exact, and the bytes on the wire are the payload's."""
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
+        return transport.all_gather(output, input)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
+        return transport.reduce_scatter(output, input)
