@@ -1,5 +1,5 @@
-"""CPU offload: the policy (``ZeroConfig.offload``), where the optimizer-side buffers live, and the host
-memory check made before anything is allocated.
+"""CPU offload: the policy (``ZeroConfig.offload``) and the host memory check made before anything is allocated.
+Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.placement``'s.
 
 With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
 memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-HOST = torch.device("cpu")
 # bytes per element of this rank's chunk held on the host: fp32 master, fp32 gradient, two fp32 moments
 HOST_BYTES_PER_ELEMENT = 4 + 4 + 8
 
@@ -106,76 +104,6 @@ def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> N
             f"{available / 2**30:.2f} GiB is available. Use more ranks (the shard shrinks as 1/N), free host "
             "memory, or offload less (offload.params='none', or offload.optimizer='none')."
         )
-
-
-def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed 1D host tensor, pinned if ``pin`` (a clear error if pinned memory cannot be had)."""
-    try:
-        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pin)
-    except RuntimeError as err:
-        raise ValueError(
-            f"CPU offload could not allocate {numel * dtype.itemsize / 2**20:.1f} MiB of pinned host memory "
-            f"({err}). Pinned (page-locked) memory is limited by the system (ulimit -l, container limits); "
-            "raise the limit, use more ranks, or set offload.optimizer='none'."
-        ) from err
-
-
-class HostCopies:
-    """Copies of reduced gradient chunks from the device down to host memory. On CUDA each one runs on
-    a side stream once the work queued so far (the collective that produced the chunk) is done, so
-    backward goes on while it lands; :meth:`wait` before the host reads. Elsewhere a plain copy."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.stream is None or src.device.type != "cuda":
-            dst.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=dst.is_pinned())
-        src.record_stream(self.stream)  # its memory is not reused before the copy has read it
-
-    def wait(self) -> None:
-        """Every copy to or from pinned host memory queued so far has landed."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-            if self.stream is not None:
-                self.stream.synchronize()
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a bucket's buffers live beyond its device (``None``: on the device)."""
-
-    master_device: torch.device | None = None  # the optimizer's side: master, its gradients, the step
-    shard_device: torch.device | None = None  # stage 3's parameter shard
-    pin: bool = False  # host buffers pinned (a GPU is present)
-    copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down
-
-    @classmethod
-    def of(cls, offload: Offload, device: torch.device) -> "Placement":
-        pin = device.type == "cuda"
-        return cls(
-            master_device=HOST if offload.optimizer_on_host else None,
-            shard_device=HOST if offload.params_on_host else None,
-            pin=pin,
-            copies=HostCopies(device) if offload.optimizer_on_host else None,
-        )
-
-    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``, overlapped with later device work where it can be (:class:`HostCopies`)."""
-        if self.copies is None:
-            dst.copy_(src)
-        else:
-            self.copies.copy_down(dst, src)
-
-    def wait(self) -> None:
-        """The host may read what was copied down (and the device what was copied up)."""
-        if self.copies is not None:
-            self.copies.wait()
 
 
 def warn_unfused_host_step(optimizer: torch.optim.Optimizer) -> None:

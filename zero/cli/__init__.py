@@ -1,5 +1,2 @@
-"""The ``zero`` command (``python -m zero``): ``demo``, ``estimate``, ``report``, ``consolidate`` (see ``main``)."""
-
-from zero.cli.main import main
-
-__all__ = ["main"]
+"""The ``zero`` command (``python -m zero``; ``main.py``): ``demo``, ``estimate``, ``report``, ``consolidate``, and the
+ranged argument types they share (``types.py``, also used by :mod:`zero.models`)."""

@@ -30,7 +30,7 @@ from zero.estimator.timeline import Point, Timeline
 
 
 @dataclass(frozen=True)
-class BucketPlan:
+class BucketBytes:
     """One bucket as rank 0 of the configuration holds it (bytes)."""
 
     params: tuple[str, ...]  # trainable parameters (none for a frozen bucket)
@@ -50,7 +50,7 @@ class Layout:
     """What rank 0 of one configuration holds, before any step (see :func:`zero.estimator.estimator.layout`)."""
 
     stage: int
-    buckets: tuple[BucketPlan, ...]
+    buckets: tuple[BucketBytes, ...]
     frozen: int  # frozen parameters kept whole outside buckets (stages 0-2)
     buffers: int  # the model's buffers
     staged: bool  # reductions copy into a staging buffer (stages 2-3; stages 0-1 under some precisions)
@@ -105,10 +105,10 @@ class _Reduction:
     arrived: set[str] = field(default_factory=set)
     released: int = 0  # bytes of autograd gradients copied into staging and dropped
     next: int = 0  # next bucket to launch
-    in_flight: list[BucketPlan] = field(default_factory=list)
+    in_flight: list[BucketBytes] = field(default_factory=list)
     shards: int = 0  # gradient shards kept on the device
     launchable: int = 0  # buckets whose gradients are all in (launched at the next gradient's arrival)
-    trainable: list[BucketPlan] = field(default_factory=list)
+    trainable: list[BucketBytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.trainable = [b for b in self.layout.buckets if b.params]
@@ -137,7 +137,7 @@ class _Reduction:
         while self.in_flight:
             self._complete(on_peak)
 
-    def _launch(self, bucket: BucketPlan, on_peak: Callable[[], None]) -> None:
+    def _launch(self, bucket: BucketBytes, on_peak: Callable[[], None]) -> None:
         if len(self.in_flight) >= self.options.max_in_flight:
             self._complete(on_peak)
         self.in_flight.append(bucket)

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from zero.activations import ActivationCheckpointing, checkpoint_activations
-from zero.estimator.schedule import BucketPlan, Layout, StepTrace
+from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
 from zero.precision import DTYPES, MixedPrecision, full_precision_parameters
 from zero.runtime.bucket import adopt_edits_
 from zero.runtime.partition import build_partition
+from zero.runtime.plan import BucketPlan, Role
 from zero.runtime.stages import make_stage
-from zero.runtime.stages.stage2 import StagedReduction
 from zero.runtime.units import plan_units
 
 # the precisions the planner prices, as ZeroOptimizer's policies
@@ -162,43 +162,27 @@ class Workload:
         """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning."""
         model = self.model(precision)
         policy = POLICIES[precision]
-        zero_stage = make_stage(stage, policy)
+        stage_policy = make_stage(stage, policy).policy(world_size)
         with self.mode:
             full = full_precision_parameters(model)
             partition = build_partition(
                 torch.optim.SGD([p for p in model.parameters() if p.requires_grad] or model.parameters(), lr=0.1),
                 model,
                 bucket_size_bytes=max(1, int(bucket_size_mb * 2**20)),
-                num_shards=zero_stage.num_shards(world_size),
+                policy=stage_policy,
                 shard_index=0,
                 plan=partial(plan_units, model, unit_classes=None, unit_size_bytes=None) if stage == 3 else None,
                 dtypes_of=lambda p: policy.dtypes(p.dtype, full=p in full),
             )
-        plans, bucketed = [], set()
-        for b in partition.buckets:
-            d, lay = b.dtypes, b.layout
-            bucketed.update(id(slot.param) for slot in b.slots)
-            separate = d.master != d.compute
-            plans.append(BucketPlan(
-                params=tuple(slot.name for slot in b.slots) if b.trainable else (),
-                whole=lay.padded_numel * d.compute.itemsize,
-                shard=lay.chunk_numel * d.compute.itemsize,
-                staging=lay.padded_numel * d.reduce.itemsize,
-                grad_shard=lay.chunk_numel * d.reduce.itemsize,
-                master=lay.chunk_numel * d.master.itemsize if separate and b.trainable else 0,
-                master_grad=lay.chunk_numel * d.master.itemsize if d.reduce != d.master and b.trainable else 0,
-                elements=lay.chunk_numel if b.trainable else 0,
-                pieces=tuple(piece.numel for piece in lay.pieces(0)) if b.trainable else (),
-                unit=b.unit.name if b.unit is not None else None,
-            ))
-        staged = isinstance(zero_stage, StagedReduction)
+        bucketed = {id(slot.param) for b in partition.buckets for slot in b.slots}
+        priced = tuple(_priced(b.plan, tuple(s.name for s in b.slots), b.unit) for b in partition.buckets)
         return Layout(
             stage=stage,
-            buckets=tuple(plans),
+            buckets=priced,
             frozen=sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed),
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-            staged=staged,
-            grad_buffer=sum(p.whole for p in plans if p.params) if stage < 2 else 0,
+            staged=stage_policy.staged,
+            grad_buffer=sum(b.plan.nbytes(Role.GRADS) for b in partition.buckets),
             units=tuple(u.name for u in partition.units),
         )
 
@@ -243,6 +227,23 @@ class Workload:
                             if isinstance(t, torch.Tensor))
             self._steps[key] = StepTrace(state / sum(pieces), _largest(adopting), _largest(updating))
         return self._steps[key]
+
+
+def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any) -> BucketBytes:
+    """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.plan``)."""
+    lay, d = plan.layout, plan.dtypes
+    return BucketBytes(
+        params=names if plan.trainable else (),
+        whole=plan.nbytes(Role.PARAMS),
+        shard=plan.nbytes(Role.SHARD) or lay.chunk_numel * d.compute.itemsize,
+        staging=lay.padded_numel * d.reduce.itemsize,
+        grad_shard=lay.chunk_numel * d.reduce.itemsize,
+        master=plan.nbytes(Role.MASTER),
+        master_grad=plan.nbytes(Role.MASTER_GRAD),
+        elements=lay.chunk_numel if plan.trainable else 0,
+        pieces=tuple(piece.numel for piece in lay.pieces(0)) if plan.trainable else (),
+        unit=unit.name if unit is not None else None,
+    )
 
 
 def _to_fake(model: nn.Module, mode: Any) -> None:

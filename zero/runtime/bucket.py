@@ -37,10 +37,10 @@ from typing import Iterator
 import torch
 
 from zero.memory import MemoryItem
-from zero.offload import Placement
-from zero.precision import BufferDtypes
 from zero.runtime.flat_buffer import FlatBuffer
-from zero.runtime.layout import BucketLayout, ParamSpan, Piece
+from zero.runtime.layout import ParamSpan, Piece
+from zero.runtime.placement import DevicePlacement, Placements
+from zero.runtime.plan import BucketPlan, Role
 from zero.runtime.sharded_param import cast_after_wrapping
 
 
@@ -85,38 +85,43 @@ class LocalPiece:
 class Bucket:
     """Runtime state of one :class:`~zero.runtime.layout.BucketLayout` on one rank."""
 
-    def __init__(
-        self,
-        layout: BucketLayout,
-        shard_index: int,
-        dtypes: BufferDtypes,
-        device: torch.device,
-        trainable: bool = True,
-        placement: Placement = Placement(),
-    ):
-        self.layout = layout
-        self.dtypes = dtypes
-        self.placement = placement
-        self.index = layout.index
+    def __init__(self, plan: BucketPlan, shard_index: int, device: torch.device, placements: Placements):
+        self.plan = plan
+        self.layout = plan.layout
+        self.dtypes = plan.dtypes
+        self.placements = placements
+        self.index = plan.layout.index
         self.shard_index = shard_index
-        self.trainable = trainable
+        self.trainable = plan.trainable
         self.slots: list[ParamSlot] = []
         self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
-        # the stage fills it
-        self.param_buffer = FlatBuffer(layout.padded_numel, dtypes.compute, device, allocate=False)
-        self.shard_buffer: FlatBuffer | None = None  # stage 3
-        self.master_buffer: FlatBuffer | None = None
-        self.master_device = placement.master_device or device
-        if trainable and (dtypes.separate_master or self.offloaded):  # padding: zeros
-            self.master_buffer = self.optimizer_side_buffer(dtypes.master)
-        self.grad_buffer: FlatBuffer | None = None  # set by the stage
-        self.staging: FlatBuffer | None = None  # set by the stage
-        self.grad_shard: torch.Tensor | None = None  # set by the stage
-        self.grad_shard_buffer: FlatBuffer | None = None  # set by stages that own grad_shard separately
-        self.grad_carry: FlatBuffer | None = None  # stage 1
-        self.master_grad: FlatBuffer | None = None  # set by the stage when grad_shard cannot be it
+        on_device = placements.device if placements.device.device == device else DevicePlacement(device)
+        sides = {"device": on_device, "optimizer": placements.optimizer, "shard": placements.shard}
+        buffers = {  # resident ones allocated and zeroed (padding included)
+            spec.role: FlatBuffer(
+                spec.numel, spec.dtype, sides[spec.side], allocate=spec.resident, name=spec.role.value
+            )
+            for spec in plan.buffers
+            if spec.view_of is None
+        }
+        self.param_buffer: FlatBuffer = buffers[Role.PARAMS]
+        self.shard_buffer: FlatBuffer | None = buffers.get(Role.SHARD)
+        self.master_buffer: FlatBuffer | None = buffers.get(Role.MASTER)
+        self.grad_buffer: FlatBuffer | None = buffers.get(Role.GRADS)
+        self.staging: FlatBuffer | None = buffers.get(Role.STAGING, self.grad_buffer)
+        self.grad_shard_buffer: FlatBuffer | None = buffers.get(Role.GRAD_SHARD)
+        self.grad_carry: FlatBuffer | None = buffers.get(Role.GRAD_CARRY)
+        self.master_grad: FlatBuffer | None = buffers.get(Role.MASTER_GRAD)
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """This rank's reduced gradient chunk (1D, reduce dtype): its own buffer when the reduction is staged,
+        else this rank's chunk of the gradient buffer (reduced in place)."""
+        if self.grad_shard_buffer is not None:
+            return self.grad_shard_buffer.data
+        return self.chunk_of(self.grad_buffer) if self.grad_buffer is not None else None
 
     def __repr__(self) -> str:
         names = [s.name for s in self.slots]
@@ -139,10 +144,9 @@ class Bucket:
         if released:
             self.param_buffer.free()
 
-    def adopt_whole(self) -> None:
+    def pack_params(self) -> None:
         """Copy every parameter into ``param_buffer`` (cast to the compute dtype) and make its ``.data`` a
         view of it (stages 0-2); the master chunk, if any, gets the values before the cast."""
-        self.param_buffer.allocate()
         self.make_views()
         with torch.no_grad():
             for slot in self.slots:
@@ -179,14 +183,8 @@ class Bucket:
 
     @property
     def offloaded(self) -> bool:
-        """The optimizer's side (master, its gradients, the step) lives in host memory (``zero.offload``),
-        in buffers of its own even when the model is on the CPU too."""
-        return self.placement.master_device is not None
-
-    def optimizer_side_buffer(self, dtype: torch.dtype, allocate: bool = True) -> FlatBuffer:
-        """A chunk-sized buffer on the optimizer's side: host memory when offloaded (pinned with a GPU)."""
-        pin = self.placement.pin and self.offloaded
-        return FlatBuffer(self.layout.chunk_numel, dtype, self.master_device, allocate=allocate, pin=pin)
+        """The optimizer's side (master, its gradients, the step) lives in host memory (``zero.offload``)."""
+        return self.placements.optimizer_offloaded
 
     def push_master(self) -> None:
         """Cast the master chunk into this rank's chunk of the parameters (after a step or a load). Offloaded
@@ -198,9 +196,9 @@ class Bucket:
             if master.device == shard.device:
                 shard.copy_(master)
             else:
-                low = torch.empty(master.shape, dtype=shard.dtype, pin_memory=self.placement.pin)
+                low = torch.empty(master.shape, dtype=shard.dtype, pin_memory=self.placements.pin)
                 low.copy_(master)
-                shard.copy_(low, non_blocking=self.placement.pin)  # the host allocator keeps ``low`` until done
+                shard.copy_(low, non_blocking=self.placements.pin)  # the host allocator keeps ``low`` until done
 
     def adopt_edits(self) -> None:
         """Take into the master chunk the elements of this rank's parameter chunk that differ from it cast
@@ -213,7 +211,7 @@ class Bucket:
         """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
         (``inv_scale`` 1.0: none). In place when ``grad_shard`` is in the master dtype already."""
         if self.master_grad is not None:
-            self.master_grad.allocate(zero=False)
+            self.master_grad.ensure_allocated(zero=False)
             self.master_grad.data.copy_(self.grad_shard, non_blocking=self.master_grad.pinned)
             target = self.master_grad.data
         else:
@@ -271,7 +269,7 @@ class Bucket:
     def check_attached(self, whole: bool) -> None:
         """Raise if a parameter changed dtype or device after wrapping (``model.to()``); with ``whole``
         (its values are in ``param_buffer``), also if its ``.data`` no longer views the buffer."""
-        buffer = self.param_buffer.data
+        buffer = self.param_buffer.storage_tensor  # (dtype and device only)
         for slot in self.slots:
             p = slot.param
             if (p.dtype, p.device) != (buffer.dtype, buffer.device) or (whole and p.data_ptr() != slot.view.data_ptr()):
@@ -291,7 +289,7 @@ class Bucket:
             params = ("parameters", "whole" if self.shard_buffer is None else "gathered")
         staging = self.staging if self.staging is not self.grad_buffer else None  # else: the local gradients
         host = " (host)" if self.offloaded else ""
-        shard = "shard (host)" if self.placement.shard_device is not None else "shard"
+        shard = "shard (host)" if self.placements.shard.where.on_host else "shard"
         roles = [
             ("parameters", *params, self.param_buffer),
             ("parameters", "parameters", shard, self.shard_buffer),
@@ -304,8 +302,8 @@ class Bucket:
         ]
         for kind, category, label, buffer in roles:
             if buffer is not None:
-                yield kind, MemoryItem(category, label, buffer.data, module)
-        if self.grad_shard is not None and self.grad_shard_buffer is None:  # a view of staging
+                yield kind, MemoryItem(category, label, buffer.storage_tensor, module)
+        if self.grad_shard_buffer is None and self.grad_buffer is not None:  # a view of the gradient buffer
             yield "gradients", MemoryItem("gradients", "shard", self.grad_shard, module)
         for slot in self.slots:
             grad = slot.param.grad

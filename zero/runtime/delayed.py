@@ -45,6 +45,13 @@ class DelayedStep:
     def pending(self) -> bool:
         return self._pending is not None
 
+    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> list:
+        """This step's update, started in the background and shared by the next ``step()`` or ``flush()``
+        (nothing to wait for now)."""
+        self.launch(buckets, step_kwargs)
+        self.remember(buckets)
+        return []
+
     def launch(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> None:
         """Start stepping the masters of ``buckets`` with the optimizer's gradients of this step (and the
         keyword arguments given to ``step()``)."""

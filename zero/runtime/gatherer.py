@@ -102,6 +102,8 @@ class Unit:
 class ParamGatherer:
     """Registers stage 3's module and gradient hooks and gathers units just in time."""
 
+    sharded = True
+
     def __init__(
         self,
         specs: list[UnitSpec],
@@ -204,10 +206,16 @@ class ParamGatherer:
         wanted = {id(p) for p in params}
         return [u for u in self.units if any(id(s.param) in wanted for b in u.buckets for s in b.slots)]
 
-    def take_fingerprint(self) -> int:
-        """A hash of the gathers issued since the last call (same on every rank if they ran the same units)."""
+    def fingerprint_flags(self) -> list[int]:
+        """A hash of the gathers issued since the last call (same on every rank if they ran the same units), as
+        ``[v, -v]`` for the reduction's MAX all-reduce: both come back as ``(v, -v)`` only if every rank had ``v``."""
         value, self._fingerprint = self._fingerprint, 0
-        return value
+        return [value, -value]
+
+    @staticmethod
+    def fingerprints_agree(agreed: list[int]) -> bool:
+        """Whether the all-reduced :meth:`fingerprint_flags` show the same gathers on every rank."""
+        return agreed[0] == -agreed[1]
 
     # ----- forward ----------------------------------------------------------------------------------
 
@@ -270,7 +278,7 @@ class ParamGatherer:
 
     def _units_of_storage(self) -> dict[int, Unit]:
         """The unit of each parameter buffer's storage (the saved-tensor check's lookup)."""
-        return {b.param_buffer.data.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
+        return {b.param_buffer.storage_tensor.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
 
     def _release_finished(self, keep: Unit) -> None:
         finished, self._finished = self._finished, None

@@ -22,8 +22,39 @@ import torch
 from zero.precision import LossScale
 
 
+class NoLossScaling:
+    """No loss scaling (fp32, bf16): the identity, and no overflow flag on the reduction's all-reduce."""
+
+    enabled = False
+    found_inf = False
+    inv_scale = 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def begin_pass(self) -> None:
+        pass
+
+    def observe(self, grads: torch.Tensor) -> None:
+        pass
+
+    def local_flags(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.int32, device=device)
+
+    def agree(self, agreed: list[int]) -> None:
+        pass
+
+    def update(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
 class LossScaler:
     """The scale, the growth tracker and this step's overflow flags (see the module docstring)."""
+
+    enabled = True
 
     def __init__(self, policy: LossScale, device: torch.device):
         self.policy = policy
@@ -52,12 +83,14 @@ class LossScaler:
         """Record whether ``grads`` (local gradients about to be reduced) hold inf or NaN."""
         self._local |= (~torch.isfinite(grads).all()).to(torch.int32)
 
-    def local_flag(self) -> torch.Tensor:
-        """This rank's overflow flag, as a 1-element int32 tensor for the end-of-backward all-reduce."""
+    def local_flags(self, device: torch.device) -> torch.Tensor:
+        """This rank's overflow flag (int32, 1 element), last on the end-of-backward all-reduce (MAX: set if
+        any rank's is)."""
         return self._local.reshape(1)
 
-    def agree(self, found_anywhere: bool) -> None:
-        self.found_inf = self.found_inf or found_anywhere
+    def agree(self, agreed: list[int]) -> None:
+        """Take this scaler's flag off the end of the all-reduced flags."""
+        self.found_inf = self.found_inf or bool(agreed.pop())
 
     @property
     def inv_scale(self) -> float:

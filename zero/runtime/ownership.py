@@ -15,6 +15,10 @@ import torch
 from zero.runtime.bucket import Bucket
 
 
+class Owner:
+    """One ZeroOptimizer's identity on the parameters it manages (held by its runtime, so it lives exactly as long)."""
+
+
 class OwnerRef:
     """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
 

@@ -1,6 +1,8 @@
 """Build the runtime buckets for a model and a wrapped optimizer (construction only).
 
-The stage then fills them (``Stage.init_params``): whole parameters at stages 0-2, shards at stage 3.
+Parameters are packed into bucket layouts (``zero.runtime.layout``), each layout gets its plan
+(``zero.runtime.plan``: which buffers, where), and each bucket is built from its plan. The stage then fills
+them (``Stage.init_params``): whole parameters at stages 0-2, shards at stage 3.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from typing import Callable
 
 import torch
 
-from zero.offload import Placement
 from zero.precision import BufferDtypes
 from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.layout import plan_buckets
 from zero.runtime.ownership import managed_elsewhere
+from zero.runtime.placement import DevicePlacement, Placements
+from zero.runtime.plan import StagePlan, StagePolicy, plan_bucket
 from zero.runtime.units import UnitSpec
 
 
@@ -26,6 +29,7 @@ class Partition:
     buckets: list[Bucket]  # trainable buckets first, then frozen ones (stage 3)
     frozen: list[tuple[str, torch.nn.Parameter]]  # in the optimizer, requires_grad=False, kept whole (stages 0-2)
     units: list[UnitSpec]  # stage 3's units of gathering (empty at stages 0-2)
+    plan: StagePlan  # every bucket's buffers and collectives
 
     @property
     def trainable_buckets(self) -> list[Bucket]:
@@ -61,12 +65,12 @@ def build_partition(
     model: torch.nn.Module,
     *,
     bucket_size_bytes: int,
-    num_shards: int,
+    policy: StagePolicy,
     shard_index: int,
     plan: Callable[[list[torch.nn.Parameter]], list[UnitSpec]] | None = None,
     device: torch.device | None = None,
     dtypes_of: Callable[[torch.nn.Parameter], BufferDtypes] | None = None,
-    placement: Placement = Placement(),
+    placements: Placements | None = None,
 ) -> Partition:
     """Pack the optimizer's trainable parameters into buckets (no parameter data is copied yet).
 
@@ -81,8 +85,8 @@ def build_partition(
     earliest-registered parameter last). Parameters on the ``meta`` device get buffers on
     ``device`` but are not copied (see :mod:`zero.runtime.materialize`). ``dtypes_of(p)`` gives the
     buffers' dtypes for ``p`` (``zero.precision``; default: its own dtype throughout); a bucket
-    holds parameters of one kind only. ``placement`` says which buffers live in host memory
-    (``zero.offload``).
+    holds parameters of one kind only. ``policy`` says what the stage keeps per bucket and ``placements``
+    where (default: everything on the parameters' device).
     """
     dtypes_of = dtypes_of or (lambda p: BufferDtypes(p.dtype, p.dtype, p.dtype))
     names = {p: name for name, p in model.named_parameters()}
@@ -128,17 +132,18 @@ def build_partition(
         [p.numel() for p in packed],
         [(p.dtype, dtypes_of(p), device_of(p), unit_of.get(p), p.requires_grad) for p in packed],
         bucket_cap=bucket_cap,
-        num_shards=num_shards,
+        num_shards=policy.num_shards,
     )
     buckets = []
     for layout in layouts:
         first = packed[layout.spans[0].param_index]
-        bucket = Bucket(
-            layout, shard_index, dtypes_of(first), device_of(first), trainable=first.requires_grad, placement=placement
-        )
+        here = placements or Placements.on(DevicePlacement(device_of(first)))
+        bucket_plan = plan_bucket(policy, layout, dtypes_of(first), first.requires_grad, here)
+        bucket = Bucket(bucket_plan, shard_index, device_of(first), here)
         bucket.unit = units[unit_of[first]] if units else None
         for span in layout.spans:
             p = packed[span.param_index]
             bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p]))
         buckets.append(bucket)
-    return Partition(buckets, frozen, units)
+    stage_plan = StagePlan(policy, shard_index, tuple(bucket.plan for bucket in buckets))
+    return Partition(buckets, frozen, units, stage_plan)

@@ -11,7 +11,7 @@ Gradient states (:class:`GradState`), checked on every transition::
 Life of one backward pass:
 
 1. The first gradient *pre*-hook of the pass (before autograd accumulates anything) starts
-   it: :meth:`GradReducer.take_back` applies what the user did to ``p.grad`` since the last
+   it: :meth:`GradReducer.apply_user_grad_edits` applies what the user did to ``p.grad`` since the last
    pass (``model.zero_grad()``, ``p.grad = None``, ``zero_grad(set_to_none=False)``); reduced
    gradients about to receive more are reopened (``stage.reopen``); each ``p.grad`` is pointed
    where autograd should accumulate (``stage.before_pass``); and ``_end_pass`` is queued to run
@@ -57,7 +57,9 @@ import torch
 from zero.comm import Communicator, Handle
 from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.loss_scaler import LossScaler
+from zero.runtime.gatherer import ParamGatherer
+from zero.runtime.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.no_gatherer import NoGatherer
 from zero.runtime.stages.stage0 import Stage0
 from zero.weak import weak_hook
 
@@ -87,17 +89,17 @@ class GradReducer:
         stage: Stage0,
         comm: Communicator,
         max_in_flight: int,
-        fingerprint: Callable[[], int] | None = None,
-        check: Callable[[], None] | None = None,
-        steps: Callable[[], int] | None = None,
-        scaler: LossScaler | None = None,
+        gatherer: ParamGatherer | NoGatherer,
+        check: Callable[[], None],
+        steps: Callable[[], int],
+        scaler: LossScaler | NoLossScaling,
     ):
         self.buckets = buckets  # launch order
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
         self.stage = stage
         self.comm = comm
         self.max_in_flight = max_in_flight
-        self.fingerprint = fingerprint  # stage 3: hash of this step's gathers, compared across ranks
+        self.gatherer = gatherer  # stage 3: its fingerprint of this step's gathers is compared across ranks
         self.check = check  # run as each pass starts (the model still uses the managed parameters)
         self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
         self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
@@ -120,7 +122,7 @@ class GradReducer:
     def require_reduced(self, what: str) -> None:
         """Raise unless reduced gradients are ready for ``what`` (``step()``, ``clip_grad_norm_()``; their callers
         handle an empty state: no gradient since ``zero_grad()``)."""
-        self.settle()
+        self.drain_interrupted()
         messages = {
             GradState.ACCUMULATING: f"{what} called after a backward pass inside no_sync(): its gradients were "
             "never reduced across ranks. Run the last micro-batch's backward outside no_sync().",
@@ -132,11 +134,11 @@ class GradReducer:
 
     # ----- what the user did to p.grad ------------------------------------------------------------------
 
-    def take_back(self) -> None:
+    def apply_user_grad_edits(self) -> None:
         """Apply what the user did to the published ``p.grad`` since the last pass, as PyTorch would:
         ``None`` clears the gradient (``model.zero_grad()``), ``zero_()`` on a guard zeroes it, a
         replaced tensor is copied in (stage 0) or refused (stages 1-3)."""
-        self.settle()
+        self.drain_interrupted()
         if self.state is GradState.REDUCING:
             return
         if self.state is GradState.INTERRUPTED:
@@ -146,11 +148,11 @@ class GradReducer:
             return
         for bucket in self.buckets:
             for slot in bucket.slots:
-                self._take_back(bucket, slot)
+                self._apply_user_edit(bucket, slot)
         if self.state is not GradState.EMPTY and not any(slot.has_grad for slot in self.slots):
             self.clear()  # every gradient was cleared: the same as opt.zero_grad()
 
-    def _take_back(self, bucket: Bucket, slot: ParamSlot) -> None:
+    def _apply_user_edit(self, bucket: Bucket, slot: ParamSlot) -> None:
         grad = slot.param.grad
         if grad is None:
             if slot.has_grad:
@@ -158,11 +160,10 @@ class GradReducer:
                 slot.used_here = slot.used_anywhere = False
                 slot.local_grad = slot.wide_grad = None
         elif grad is slot.grad_guard:
-            if grad._zero_cleared:
+            if grad.take_zeroed():
                 self.stage.clear_grad(bucket, slot)
                 if slot.local_grad is not None:
                     slot.local_grad.zero_()
-                grad._zero_cleared = False
         elif self.state is GradState.REDUCED:  # stage 0: a gradient the user set (stages 1-3 refuse)
             self.stage.adopt_grad(bucket, slot)
             slot.used_here = slot.used_anywhere = True
@@ -176,7 +177,7 @@ class GradReducer:
             self._start_pass()
 
     def _start_pass(self) -> None:
-        self.take_back()
+        self.apply_user_grad_edits()
         if self.check is not None:
             self.check()
         self._reopened = self.state is GradState.REDUCED
@@ -247,14 +248,16 @@ class GradReducer:
         if len(self._in_flight) >= self.max_in_flight:
             self._complete_oldest()
         grads = self.stage.collect(bucket)
-        if self.scaler is not None:
-            self.scaler.observe(grads)
-        self._in_flight.append((bucket, self.stage.launch_reduce(bucket, self.comm)))
+        self.scaler.observe(grads)
+        handle = self.stage.launch_reduce(bucket, self.comm)
+        bucket.staging.start_collective()
+        self._in_flight.append((bucket, handle))
         self._next += 1
 
     def _complete_oldest(self) -> None:
         bucket, handle = self._in_flight.popleft()
         handle.wait()
+        bucket.staging.end_collective()
         self.stage.finish_reduce(bucket)
 
     def _finish_round(self) -> None:
@@ -265,20 +268,16 @@ class GradReducer:
                     self.stage.stage_grad(bucket, slot)
             self._launch(bucket)
         local = [int(slot.used_here) for slot in self.slots]
-        steps = self.steps() % _AGREE_MOD if self.steps is not None else 0
+        steps = self.steps() % _AGREE_MOD
         local += [steps, -steps]  # MAX of both: equal to (v, -v) only if every rank had v
-        if self.fingerprint is not None:
-            value = self.fingerprint()
-            local += [value, -value]
+        local += self.gatherer.fingerprint_flags()
         flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
-        if self.scaler is not None:  # last: whether any rank's local gradients overflowed
-            flags = torch.cat([flags, self.scaler.local_flag()])
+        flags = torch.cat([flags, self.scaler.local_flags(self.comm.device)])  # last: overflow (fp16 only)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
         while self._in_flight:
             self._complete_oldest()
         agreed = flags.tolist()
-        if self.scaler is not None:
-            self.scaler.agree(bool(agreed.pop()))
+        self.scaler.agree(agreed)
         for slot, used in zip(self.slots, agreed):
             slot.used_anywhere = bool(used)
         self._to(GradState.REDUCED, GradState.REDUCING)
@@ -290,7 +289,7 @@ class GradReducer:
                 "step() (or took an extra one), e.g. under a condition on its own loss or data, so the ranks' "
                 "models have diverged. Every rank must call step() at the same points."
             )
-        if self.fingerprint is not None and agreed[-2] != -agreed[-1]:
+        if not self.gatherer.fingerprints_agree(agreed[at + 2 :]):
             self.clear()  # step() must not use these gradients
             raise RuntimeError(
                 "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
@@ -301,7 +300,7 @@ class GradReducer:
 
     # ----- clearing -----------------------------------------------------------------------------------
 
-    def settle(self) -> None:
+    def drain_interrupted(self) -> None:
         """If the last pass died with an error: drain its collectives (every rank issued them, or the
         wait times out) and mark the gradients incomplete."""
         if not self._pass.interrupted:
@@ -314,11 +313,10 @@ class GradReducer:
 
     def clear(self) -> None:
         """Drop every gradient (``zero_grad(set_to_none=True)``): the stage frees what it can."""
-        self.settle()
+        self.drain_interrupted()
         for bucket in self.buckets:
             self.stage.zero_grad(bucket, set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.reset()
+        self.scaler.reset()
         self.state = GradState.EMPTY
         for slot in self.slots:
             slot.used_here = False
@@ -328,18 +326,17 @@ class GradReducer:
     def zero(self) -> None:
         """Zero every gradient in place (``zero_grad(set_to_none=False)``): parameters that had one keep it
         (after an interrupted pass, every gradient is dropped)."""
-        self.settle()
+        self.drain_interrupted()
         if self.state is GradState.INTERRUPTED:
             self.clear()
             return
-        self.take_back()
+        self.apply_user_grad_edits()
         if self.state is not GradState.EMPTY:
             for bucket in self.buckets:
                 self.stage.zero_grad(bucket, set_to_none=False)
         for slot in self.slots:
             slot.wide_grad = None
-        if self.scaler is not None:
-            self.scaler.reset()
+        self.scaler.reset()
 
 
 def _widen(slot: ParamSlot) -> None:

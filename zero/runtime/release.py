@@ -68,6 +68,7 @@ class ModelRelease:
         handles = [self.stage.unshard(bucket, self.comm) for bucket in self.sharded]
         for bucket, handle in zip(self.sharded, handles):
             handle.wait()
+            self.stage.end_unshard(bucket)
             for slot in bucket.slots:
                 whole = slot.view.detach().clone()
                 param = slot.param

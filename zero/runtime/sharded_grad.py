@@ -16,7 +16,7 @@ right shape, dtype and device (one shared element, expanded) whose ``__torch_fun
 * refuses every other use with an error that names the parameter and the fix.
 
 Setting ``p.grad = None`` (``model.zero_grad()``, Hugging Face Trainer) is seen by the
-optimizer at the next backward pass, step or clip (``GradReducer.take_back``).
+optimizer at the next backward pass, step or clip (``GradReducer.apply_user_grad_edits``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ class ShardedGrad(torch.Tensor):
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def take_zeroed(self) -> bool:
+        """Whether ``zero_()`` was called on this guard since the last call (``model.zero_grad(set_to_none=False)``),
+        forgetting it."""
+        zeroed, self._zero_cleared = self._zero_cleared, False
+        return zeroed
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"

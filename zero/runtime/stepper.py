@@ -139,3 +139,30 @@ class BucketStepper:
                 weight_decay=float(group["weight_decay"]),
                 decoupled=decoupled or bool(group.get("decoupled_weight_decay")),
             )
+
+
+class ImmediateUpdate:
+    """The synchronous update (without ``offload.delayed_step``): each bucket is stepped, then its parameters are
+    shared (stages 1-2) while the next one steps. Nothing is ever pending (the interface of ``DelayedStep``)."""
+
+    pending = False
+
+    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any):
+        self.stepper, self.stage, self.comm = stepper, stage, comm
+
+    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> list:
+        """Step every bucket; the handles of the parameters' all-gathers (``None`` where nothing is gathered)."""
+        handles = []
+        for bucket in buckets:
+            self.stepper.step(bucket, step_kwargs)
+            handles.append(self.stage.gather_params(bucket, self.comm))
+        return handles
+
+    def remember(self, buckets: list[Bucket]) -> None:
+        pass
+
+    def check_unedited(self, buckets: list[Bucket]) -> None:
+        pass
+
+    def finish(self) -> bool:
+        return False

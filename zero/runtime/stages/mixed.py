@@ -3,7 +3,7 @@
 The optimizer steps fp32 master weights, so the reduced gradient it needs is not what ``p.grad``
 (in the parameters' low-precision dtype) can hold: at stage 0 too, ``p.grad`` shows a
 :class:`~zero.runtime.sharded_grad.ShardedGrad` guard after a reduction, as at stages 1-3. Stage 0 is
-then stage 1's gradient handling with one shard and an all-reduce (:class:`WholeReplica`).
+then stage 1's gradient handling with one shard and an all-reduce (:class:`Replicated`).
 
 When the reduce dtype is not the parameters' (the default: bf16 parameters, fp32 reduction),
 the local gradients stay in the persistent ``grad_buffer`` (autograd accumulates into ``p.grad``
@@ -18,7 +18,6 @@ import torch
 
 from zero.comm import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.flat_buffer import FlatBuffer
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.stages.stage1 import Stage1
 from zero.runtime.stages.stage2 import StagedReduction
@@ -26,12 +25,6 @@ from zero.runtime.stages.stage2 import StagedReduction
 
 class Stage1Staged(StagedReduction, Stage1):
     """Stage 1 whose reduce dtype differs from the parameters': persistent local gradients, staged reduction."""
-
-    def init_grads(self, bucket: Bucket) -> None:
-        params = bucket.param_buffer
-        bucket.grad_buffer = FlatBuffer(params.numel, params.dtype, params.data.device)
-        self.init_staged(bucket)
-        self.init_guards(bucket)
 
     def local_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor | None:
         return bucket.grad_view(slot)  # stage_grad put the pass's gradient there (zeros if it had none)
@@ -48,10 +41,12 @@ class Stage1Staged(StagedReduction, Stage1):
         Stage0.zero_grad(self, bucket, set_to_none)
 
 
-class WholeReplica:
+class Replicated:
     """Stage 0's side of a mixed-precision stage: one shard (every rank steps all of it), all-reduce."""
 
     number = 0
+    reduce_collective = "all-reduce"
+    gather_collective = None
 
     def num_shards(self, world_size: int) -> int:
         return 1
@@ -70,9 +65,9 @@ class WholeReplica:
         return None
 
 
-class Stage0Mixed(WholeReplica, Stage1):
+class Stage0Mixed(Replicated, Stage1):
     """Stage 0 with master weights, reduced in the parameters' dtype (in place)."""
 
 
-class Stage0MixedStaged(WholeReplica, Stage1Staged):
+class Stage0MixedStaged(Replicated, Stage1Staged):
     """Stage 0 with master weights, reduced in another dtype (staged)."""

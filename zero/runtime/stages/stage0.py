@@ -18,11 +18,17 @@ import torch
 
 from zero.comm import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.flat_buffer import FlatBuffer
+from zero.runtime.plan import StagePolicy
 
 
 class Stage0:
     number = 0
+    persistent_grads = True  # what the plan gives each bucket (zero.runtime.plan.StagePolicy)
+    staged = False
+    carries = False
+    sharded_params = False
+    reduce_collective = "all-reduce"
+    gather_collective: str | None = None
 
     def num_shards(self, world_size: int) -> int:
         """How many ways each bucket is split (1: every rank owns all of it)."""
@@ -32,16 +38,24 @@ class Stage0:
 
     def init_params(self, bucket: Bucket) -> None:
         """Move the bucket's parameters into its flat buffer, whole (stages 0-2)."""
-        bucket.adopt_whole()
+        bucket.pack_params()
+
+    def policy(self, world_size: int) -> StagePolicy:
+        """What this stage keeps per bucket, for the plan."""
+        return StagePolicy(
+            number=self.number,
+            num_shards=self.num_shards(world_size),
+            persistent_grads=self.persistent_grads,
+            staged=self.staged,
+            carries=self.carries,
+            sharded_params=self.sharded_params,
+            reduce=self.reduce_collective,
+            gather=self.gather_collective,
+        )
 
     def init_grads(self, bucket: Bucket) -> None:
-        """Allocate the bucket's gradient storage (each ``p.grad`` points into it from the first backward);
-        the collective reduces it in place."""
-        params = bucket.param_buffer
-        bucket.grad_buffer = FlatBuffer(params.numel, params.dtype, params.data.device)
-        bucket.staging = bucket.grad_buffer
-        bucket.grad_shard = bucket.chunk_of(bucket.grad_buffer)
-        init_master_grad(bucket)
+        """Prepare ``p.grad`` handling (the gradient buffer itself is planned: each ``p.grad`` points into it
+        from the first backward, and the collective reduces it in place)."""
 
     # ----- one backward pass ----------------------------------------------------------------------------
 
@@ -129,11 +143,3 @@ def zero_local_grads(bucket: Bucket) -> None:
         for grad in (slot.param.grad, slot.local_grad):
             if grad is not None and grad is not slot.grad_guard and grad.untyped_storage().data_ptr() != staged:
                 grad.zero_()
-
-
-def init_master_grad(bucket: Bucket) -> None:
-    """A separate buffer for the optimizer's gradients when the gradient shard's dtype is not the master's,
-    or when the optimizer side is offloaded and the shard is not there already."""
-    device_shard = bucket.grad_shard_buffer is None  # a chunk of the device's gradient buffer
-    if bucket.dtypes.reduce != bucket.dtypes.master or (bucket.offloaded and device_shard):
-        bucket.master_grad = bucket.optimizer_side_buffer(bucket.dtypes.master, allocate=False)

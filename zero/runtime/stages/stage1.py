@@ -24,22 +24,21 @@ import torch
 
 from zero.comm import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.flat_buffer import FlatBuffer
 from zero.runtime.sharded_grad import sharded_grad
 from zero.runtime.stages.stage0 import Stage0
 
 
 class Stage1(Stage0):
     number = 1
+    carries = True
+    reduce_collective = "reduce-scatter"
+    gather_collective = "all-gather after the step"
 
     def num_shards(self, world_size: int) -> int:
         return world_size
 
     def init_grads(self, bucket: Bucket) -> None:
-        super().init_grads(bucket)
         self.init_guards(bucket)
-        shard = bucket.grad_shard
-        bucket.grad_carry = FlatBuffer(bucket.layout.chunk_numel, shard.dtype, shard.device, allocate=False)
 
     @property
     def guard_reason(self) -> str:
@@ -48,7 +47,7 @@ class Stage1(Stage0):
 
     def init_guards(self, bucket: Bucket) -> None:
         """Make each slot's ``p.grad`` guard (one element for the whole bucket)."""
-        buffer = bucket.param_buffer.data
+        buffer = bucket.param_buffer.storage_tensor  # (dtype and device only)
         nan = torch.full((), float("nan"), dtype=buffer.dtype, device=buffer.device)
         for slot in bucket.slots:
             slot.grad_guard = sharded_grad(slot.param, slot.name, self.guard_reason, nan)
@@ -81,7 +80,7 @@ class Stage1(Stage0):
         bucket.grad_carry.free()
 
     def published_grad(self, bucket: Bucket, slot: ParamSlot):
-        slot.grad_guard._zero_cleared = False
+        slot.grad_guard.take_zeroed()  # a new reduction: a zero_() before it is moot
         return slot.grad_guard
 
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:

@@ -26,24 +26,18 @@ from __future__ import annotations
 import torch
 
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.flat_buffer import FlatBuffer
-from zero.runtime.stages.stage0 import init_master_grad, zero_local_grads
+from zero.runtime.stages.stage0 import zero_local_grads
 from zero.runtime.stages.stage1 import Stage1
 
 
 class StagedReduction:
     """Local gradients are copied into a transient ``staging`` buffer in the reduce dtype; each
     reduction's chunk accumulates in a separate, persistent ``grad_shard``. A mixin: the class it is
-    mixed into says where the local gradients are (:meth:`local_grad`, :meth:`release_local`)."""
+    mixed into says where the local gradients are (:meth:`local_grad`, :meth:`release_local`). The staging
+    buffer is on the device; the gradient shard on the optimizer's side (host memory when offloaded: each
+    reduced chunk goes down as soon as its collective completes)."""
 
-    def init_staged(self, bucket: Bucket) -> None:
-        """Staging on the device; the gradient shard on the optimizer's side (host memory when offloaded:
-        each reduced chunk goes down as soon as its collective completes)."""
-        device = bucket.param_buffer.data.device
-        bucket.staging = FlatBuffer(bucket.layout.padded_numel, bucket.dtypes.reduce, device, allocate=False)
-        bucket.grad_shard_buffer = bucket.optimizer_side_buffer(bucket.dtypes.reduce, allocate=False)
-        bucket.grad_shard = bucket.grad_shard_buffer.data
-        init_master_grad(bucket)
+    staged = True
 
     def local_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor | None:
         raise NotImplementedError
@@ -85,11 +79,11 @@ class StagedReduction:
         """Add the averaged chunk into the persistent shard and release the full buffer."""
         reduced = bucket.chunk_of(bucket.staging)
         if bucket.grad_shard_buffer.is_allocated:  # a later pass before step(): accumulate
-            bucket.placement.wait()  # offload: the earlier pass's chunk has landed on the host
+            bucket.placements.wait()  # offload: the earlier pass's chunk has landed on the host
             bucket.grad_shard.add_(reduced.to(bucket.grad_shard.device))
         else:  # first pass since zero_grad(): one copy instead of zero-fill + add (offload: down to the host)
             bucket.grad_shard_buffer.allocate(zero=False)
-            bucket.placement.copy_down(bucket.grad_shard, reduced)
+            bucket.placements.copy_down(bucket.grad_shard, reduced)
         bucket.staging.free()
 
     def clear_shard_of(self, bucket: Bucket, slot: ParamSlot) -> None:
@@ -106,10 +100,7 @@ class StagedReduction:
 
 class Stage2(StagedReduction, Stage1):
     number = 2
-
-    def init_grads(self, bucket: Bucket) -> None:
-        self.init_staged(bucket)
-        self.init_guards(bucket)
+    persistent_grads = False
 
     # ----- one backward pass ----------------------------------------------------------------------------
 

@@ -17,24 +17,22 @@ import torch
 
 from zero.comm import Communicator, Handle
 from zero.runtime.bucket import Bucket
-from zero.runtime.flat_buffer import FlatBuffer
 from zero.runtime.sharded_param import make_sharded, placeholder, set_data
 from zero.runtime.stages.stage2 import Stage2
 
 
 class Stage3(Stage2):
     number = 3
+    sharded_params = True
+    gather_collective = "all-gather per unit"
 
     def init_params(self, bucket: Bucket) -> None:
         """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
-        buf = bucket.param_buffer
+        buf = bucket.param_buffer.storage_tensor  # (dtype and device only)
         bucket.make_views()
-        device = bucket.placement.shard_device or buf.data.device  # host memory with offload.params
-        pin = bucket.placement.pin and bucket.placement.shard_device is not None
-        bucket.shard_buffer = FlatBuffer(bucket.layout.chunk_numel, buf.dtype, device, pin=pin)  # padding: zeros
         for slot in bucket.slots:
             bucket.copy_to_shard(slot, slot.param)
-        nan = placeholder((), buf.dtype, buf.data.device)  # one element, shared by the bucket's placeholders
+        nan = placeholder((), buf.dtype, buf.device)  # one element, shared by the bucket's placeholders
         for slot in bucket.slots:
             make_sharded(slot.param, slot.name)
             slot.placeholder = nan.expand(slot.param.shape)
@@ -51,10 +49,17 @@ class Stage3(Stage2):
         assert bucket.shard_buffer is not None
         bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
         source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
-        return comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}")
+        handle = comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}")
+        bucket.param_buffer.start_collective()
+        return handle
+
+    def end_unshard(self, bucket: Bucket) -> None:
+        """The gather has completed (its handle was waited on): ``param_buffer`` may be read."""
+        bucket.param_buffer.end_collective()
 
     def attach(self, bucket: Bucket) -> None:
         """The gather has completed: point each parameter at its whole value."""
+        self.end_unshard(bucket)
         for slot in bucket.slots:
             set_data(slot.param, slot.view, sharded=False)
 
@@ -63,7 +68,7 @@ class Stage3(Stage2):
         with torch.no_grad():
             bucket.shard.copy_(bucket.chunk_of(bucket.param_buffer))
 
-    def hand_over(self, bucket: Bucket) -> None:
+    def detach_storage(self, bucket: Bucket) -> None:
         """Let tensors taken from the gathered parameters (e.g. a ``state_dict()``) keep their values:
         the bucket gathers into a new storage from now on and the old one lives as long as they do.
         (The parameters still point at the old storage: :meth:`reshard` is what comes next.)"""

@@ -1,0 +1,230 @@
+"""Assembling a ``ZeroOptimizer``'s runtime, in the order data flows:
+
+    config -> communicator -> stage policy -> plan and buckets (placed) -> parameters packed or sharded
+    -> wrapped optimizer over the shard -> stepper -> gatherer and reducer (hooks) -> release
+
+Each step takes what the steps before produced and nothing else; parts a configuration does not use are
+null objects (``NoGatherer``, ``NoLossScaling``, ``ImmediateUpdate``), so nothing downstream asks whether
+they exist.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zero.activations import checkpoint_activations
+from zero.comm import Communicator
+from zero.config import ZeroConfig
+from zero.offload import check_host_memory, warn_unfused_host_step
+from zero.precision import (
+    DTYPES,
+    UnitInputCast,
+    cast_unmanaged_parameters,
+    check_device_supports,
+    full_precision_parameters,
+)
+from zero.runtime.delayed import DelayedStep
+from zero.runtime.gatherer import ParamGatherer
+from zero.runtime.inner import check_optimizer, rebuild_optimizer
+from zero.runtime.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
+from zero.runtime.no_gatherer import NoGatherer
+from zero.runtime.ownership import Owner, claim_parameters, managed_elsewhere
+from zero.runtime.partition import Partition, build_partition
+from zero.runtime.placement import Placements
+from zero.runtime.reducer import GradReducer
+from zero.runtime.release import ModelRelease, gather_dropped_shards
+from zero.runtime.runtime import Runtime
+from zero.runtime.stages import Stage, Stage3, make_stage
+from zero.runtime.stepper import BucketStepper, ImmediateUpdate
+from zero.runtime.units import plan_units
+from zero.runtime.wrappers import check_not_ddp
+from zero.weak import weak_hook
+
+
+def build_runtime(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    config: ZeroConfig,
+    *,
+    process_group: dist.ProcessGroup | None,
+    init_fn: InitFn | None,
+    device: torch.device | str | None,
+    placements: Placements | None = None,
+) -> Runtime:
+    """Check the inputs, then build every part of the runtime over ``model`` (collective: every rank builds).
+    ``placements``: where each side of a bucket lives (default: as ``config.offload`` says)."""
+    check_optimizer(optimizer)
+    check_not_ddp(model)
+    comm = Communicator(
+        process_group, config.timeout_s, device=_model_device(model, device), force_collectives=config.force_collectives
+    )
+    gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
+    check_device_supports(config.precision, comm.device)
+    stage = make_stage(config.stage, config.precision)
+    meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
+    if config.sync_module_states:
+        _broadcast_module_states(model, comm, skip=meta)
+    placements = placements or Placements.of(config.offload, comm.device)
+    partition = _build_partition(optimizer, model, config, stage, comm, placements)
+    owner = Owner()
+    claim_parameters(owner, partition.buckets)
+    for bucket in partition.buckets:
+        stage.init_params(bucket)
+        if bucket.trainable:
+            stage.init_grads(bucket)
+        bucket.build_pieces()
+    if meta:
+        slots = {slot.param: slot for bucket in partition.buckets for slot in bucket.slots}
+        materialize(model, meta, slots, init_fn, comm.device)
+    precision = config.precision
+    managed = {slot.param for bucket in partition.buckets for slot in bucket.slots}
+    cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
+    inner = rebuild_optimizer(optimizer, partition.buckets)
+    stepper = BucketStepper(inner, partition.trainable_buckets, config.step_kernel)
+    if config.offload.optimizer_on_host:
+        warn_unfused_host_step(inner)
+    policy = config.activation_checkpointing
+    runtime = Runtime(
+        config=config,
+        module=model,
+        comm=comm,
+        stage=stage,
+        partition=partition,
+        placements=placements,
+        owner=owner,
+        inner=inner,
+        stepper=stepper,
+        update=DelayedStep(inner) if config.offload.delayed_step else ImmediateUpdate(stepper, stage, comm),
+        scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
+        gatherer=_gatherer(partition, stage, comm, config),
+        checkpointed=checkpoint_activations(model, policy) if policy is not None else None,
+    )
+    runtime.reducer = GradReducer(
+        partition.trainable_buckets,
+        stage,
+        comm,
+        config.max_in_flight_buckets,
+        runtime.gatherer,
+        check=weak_hook(runtime.before_backward),
+        steps=weak_hook(runtime.steps_taken),
+        scaler=runtime.scaler,
+    )
+    hooks = [*runtime.reducer.hooks, *runtime.gatherer.hooks, *_input_casts(runtime, partition)]
+    first_forward = torch.compiler.disable(weak_hook(runtime.before_first_forward))  # (it reads the call stack)
+    runtime.first_forward_hook = model.register_forward_pre_hook(first_forward)
+    hooks.append(runtime.first_forward_hook)
+    runtime.release = ModelRelease(hooks, partition.buckets, stage, comm, sharded=runtime.gatherer.sharded)
+    comm.stats.end_step()  # construction traffic is not a step's
+    return runtime
+
+
+def watch_for_drop(owner: Any, runtime: Runtime) -> None:
+    """When ``owner`` (the ``ZeroOptimizer``) is dropped without ``close()``, give the model back as far as that
+    can be done without a collective (see ``zero.runtime.release``)."""
+    finalizer = weakref.finalize(owner, runtime.release.dropped)
+    finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
+
+
+def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
+    """The device the model's parameters live on (the communicator's): ``device`` if given, else that of
+    the first parameter not on ``meta``; ``None`` lets the communicator choose (the backend's device)."""
+    if device is not None:
+        return torch.device(device)
+    return next((p.device for p in model.parameters() if not p.is_meta), None)
+
+
+def _full_precision(model: torch.nn.Module, config: ZeroConfig) -> set:
+    return full_precision_parameters(model) if config.precision.enabled else set()
+
+
+def _build_partition(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    config: ZeroConfig,
+    stage: Stage,
+    comm: Communicator,
+    placements: Placements,
+) -> Partition:
+    """The buckets (and their plan) of this rank, after checking that the offloaded side fits in host memory."""
+    precision, offload = config.precision, config.offload
+    num_shards = stage.num_shards(comm.world_size)
+    trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
+    check_host_memory(offload, -(-trainable // num_shards), param_bytes)
+    full = _full_precision(model, config)
+    plan = _unit_planner(model, config) if isinstance(stage, Stage3) else None
+    return build_partition(
+        optimizer,
+        model,
+        bucket_size_bytes=config.bucket_size_bytes,
+        policy=stage.policy(comm.world_size),
+        shard_index=comm.rank if num_shards > 1 else 0,
+        plan=plan,
+        device=comm.device,
+        dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
+        placements=placements,
+    )
+
+
+def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[torch.nn.Parameter]], list]:
+    size = config.unit_size_mb
+    unit_size_bytes = None if size is None else int(size * 2**20)
+    return lambda params: plan_units(model, params, unit_classes=config.unit_classes, unit_size_bytes=unit_size_bytes)
+
+
+def _gatherer(partition: Partition, stage: Stage, comm: Communicator, config: ZeroConfig) -> ParamGatherer | NoGatherer:
+    if not isinstance(stage, Stage3):
+        return NoGatherer()
+    return ParamGatherer(
+        partition.units,
+        partition.buckets,
+        stage,
+        comm,
+        reshard_after_forward=config.reshard_after_forward,
+        prefetch=config.prefetch_units,
+    )
+
+
+def _input_casts(runtime: Runtime, partition: Partition) -> list:
+    """Mixed precision: the root's and each unit's floating-point inputs cast to ``param_dtype``."""
+    precision, model = runtime.config.precision, runtime.module
+    if not (precision.enabled and precision.cast_forward_inputs):
+        return []
+    units = partition.units or _unit_planner(model, runtime.config)(list(model.parameters()))
+    cast = UnitInputCast(DTYPES[precision.param_dtype])
+    hooks = [model.register_forward_pre_hook(weak_hook(runtime.cast_forward_inputs), with_kwargs=True)]
+    return hooks + [unit.module.register_forward_pre_hook(cast, with_kwargs=True) for unit in units if unit.name]
+
+
+def _broadcast_module_states(model: torch.nn.Module, comm: Communicator, skip: set) -> None:
+    """Rank 0's parameters and buffers everywhere, except those built on ``meta`` (``skip`` and meta
+    buffers: every rank initializes them alike, from the same seed) and parameters another live
+    ZeroOptimizer manages (a part of the model trained apart)."""
+    if comm.skips_collectives:
+        return
+    params = [p for p in model.parameters() if not managed_elsewhere(p)]  # (broadcast by their owner)
+    tensors = [t for t in [*params, *model.buffers()] if t not in skip and not t.is_meta]
+    what = "broadcast of rank 0's module states"
+    for handle in [comm.broadcast(t.data, 0, what=what) for t in tensors]:
+        handle.wait()
+
+
+def _replace_meta_parameters(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: Stage, init_fn: InitFn | None, device: torch.device
+) -> set:
+    """Stage 3 with a meta model: swap meta parameters for placeholders on the target device."""
+    if not any(p.is_meta for p in model.parameters()):
+        if init_fn is not None:
+            raise ValueError("init_fn is used only to initialize a model built on the meta device")
+        return set()
+    if not isinstance(stage, Stage3):
+        raise ValueError(
+            f"the model has parameters on the meta device; only stage 3 materializes them shard by shard "
+            f"(got stage {stage.number}). Use stage=3, or build the model on a real device."
+        )
+    return replace_meta_parameters(model, optimizer, device)

@@ -1,0 +1,58 @@
+"""Whole parameters outside forward (``ZeroOptimizer.gathered_parameters``): gather the units that hold them,
+and on exit share one rank's edits (optional), write the edits back into each rank's shard and release."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+
+from zero.runtime.bucket import Bucket
+from zero.runtime.reducer import GradState
+from zero.runtime.runtime import Runtime, wait_all
+
+Targets = torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Module | torch.nn.Parameter] | None
+
+
+@contextmanager
+def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int | None) -> Iterator[None]:
+    runtime.check_open()
+    runtime.reducer.drain_interrupted()
+    runtime.flush()
+    gatherer, stage = runtime.gatherer, runtime.stage
+    if runtime.reducer.state is GradState.REDUCING or gatherer.in_forward:
+        raise ValueError("gathered_parameters() cannot be used inside forward or backward")
+    buckets = buckets_of(runtime, targets)
+    units = gatherer.units_of(s.param for b in buckets for s in b.slots)
+    for unit in units:
+        gatherer.unshard(unit)
+    for unit in units:
+        gatherer.wait(unit)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None and not runtime.comm.skips_collectives:
+            what = f"broadcast of rank {modifier_rank}'s edited parameters"
+            wait_all([runtime.comm.broadcast(b.param_buffer.data, modifier_rank, what=what) for b in buckets])
+        for unit in units:
+            for bucket in unit.buckets:
+                bucket.check_attached(whole=True)
+                stage.write_back(bucket)
+                stage.detach_storage(bucket)
+            gatherer.reshard(unit)
+
+
+def buckets_of(runtime: Runtime, targets: Targets) -> list[Bucket]:
+    """The buckets holding the parameters of ``targets`` (all of them for ``None``)."""
+    if targets is None:
+        return list(runtime.buckets)
+    items = [targets] if isinstance(targets, torch.nn.Module | torch.Tensor) else list(targets)
+    wanted: set[int] = set()
+    for item in items:
+        params = item.parameters() if isinstance(item, torch.nn.Module) else [item]
+        wanted.update(id(p) for p in params)
+    known = {id(p) for p in runtime.module.parameters()}
+    if not wanted <= known:
+        raise ValueError("gathered_parameters() got parameters that are not in the model this ZeroOptimizer wraps")
+    return [b for b in runtime.buckets if any(id(s.param) in wanted for s in b.slots)]

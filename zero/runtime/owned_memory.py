@@ -1,0 +1,45 @@
+"""Every tensor a ``ZeroOptimizer`` owns, by model-state kind (``model_state_bytes``) and named for the memory
+profiler (``named_memory``)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
+from zero.runtime.runtime import Runtime
+
+KINDS = ("parameters", "gradients", "optimizer_state")
+
+
+def model_state_bytes(runtime: Runtime) -> ModelStateBytes:
+    """Bytes held in parameters, gradients and optimizer state (unique storages; fp32 master weights count as
+    optimizer state, as in the ZeRO paper)."""
+    kinds: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+    for bucket in runtime.buckets:
+        for kind, item in bucket.roles():
+            kinds[kind].append(item.tensor)
+    for kind, item in _unbucketed(runtime):
+        kinds[kind].append(item.tensor)
+    return ModelStateBytes(*(storage_bytes(kinds[k]) for k in KINDS))
+
+
+def named_memory(runtime: Runtime) -> list[MemoryItem]:
+    """Each bucket buffer by its role (parameters, master weights, gradient buffers and shards, buffers of
+    collectives in flight), frozen parameters, the wrapped optimizer's state. Views of one storage may appear
+    more than once; the first name wins."""
+    gathering = runtime.gatherer.gathering_buckets()
+    items = [item for b in runtime.buckets for _, item in b.roles(gathering=b in gathering)]
+    return items + [item for _, item in _unbucketed(runtime)]
+
+
+def _unbucketed(runtime: Runtime) -> Iterator[tuple[str, MemoryItem]]:
+    """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
+    for name, p in runtime.partition.frozen:
+        yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
+    host = " (host)" if runtime.config.offload.optimizer_on_host else ""
+    for state in runtime.inner.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                yield "optimizer_state", MemoryItem("optimizer_state", key + host, value)

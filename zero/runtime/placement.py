@@ -1,0 +1,191 @@
+"""Placements: where a buffer's bytes live, and how they are allocated, released and copied.
+
+A :class:`~zero.runtime.flat_buffer.FlatBuffer` asks its placement for storage and for releasing and
+restoring it; nothing else in the runtime allocates bucket memory. Two placements exist:
+
+* :class:`DevicePlacement`: the model's device (a GPU, or the CPU when training on it). Releasing
+  resizes the storage to zero bytes, restoring resizes it back (see the Note in ``flat_buffer``).
+* :class:`HostPlacement`: host memory for CPU offload (``zero.offload``), pinned when the model is on a
+  GPU so that copies can run asynchronously. Pinned bytes are kept when released: page-locking is slow
+  to set up and limited, so a released pinned buffer is only marked unused.
+
+:class:`Placements` is one run's choice of placement per side of a bucket (the device, the optimizer's
+side, stage 3's parameter shard), derived from the offload policy; the plan (``zero.runtime.plan``)
+records which side each buffer is on. Disk (ZeRO-Infinity) is the next placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from zero.offload import Offload
+
+HOST = torch.device("cpu")
+
+
+class Where(Enum):
+    """Where a planned buffer lives (what the estimator prices apart: device memory, host memory)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    PINNED_HOST = "pinned host"
+
+    @property
+    def on_host(self) -> bool:
+        return self is not Where.DEVICE
+
+
+class Placement:
+    """Allocation, release and restore of a buffer's storage in one kind of memory."""
+
+    where: Where
+    device: torch.device
+
+    def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
+        """A 1D tensor of ``numel`` elements, zeroed if ``allocate``, else released."""
+        raise NotImplementedError
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Give up the tensor's bytes; views of it stay attached to its storage."""
+        raise NotImplementedError
+
+    def restore(self, tensor: torch.Tensor) -> None:
+        """Give a released tensor its bytes back (their values are undefined)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.where.value}, {self.device})"
+
+
+class DevicePlacement(Placement):
+    """Memory of ``device``; released storage is resized to zero bytes."""
+
+    def __init__(self, device: torch.device, where: Where = Where.DEVICE):
+        self.device = device
+        self.where = where
+
+    def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype, device=self.device)  # 1D
+        if allocate:
+            tensor.zero_()
+        else:  # large host allocations are mapped lazily, so the empty() above touched no memory
+            self.release(tensor)
+        return tensor
+
+    def release(self, tensor: torch.Tensor) -> None:
+        tensor.untyped_storage().resize_(0)
+
+    def restore(self, tensor: torch.Tensor) -> None:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+class HostPlacement(DevicePlacement):
+    """Host memory for offloaded buffers; with ``pin`` page-locked and kept when released."""
+
+    def __init__(self, pin: bool):
+        super().__init__(HOST, Where.PINNED_HOST if pin else Where.HOST)
+        self.pin = pin
+
+    def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
+        if not self.pin:
+            return super().new(numel, dtype, allocate=allocate)
+        return host_buffer(numel, dtype, pin=True)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        if not self.pin:
+            super().release(tensor)
+
+    def restore(self, tensor: torch.Tensor) -> None:
+        if not self.pin:
+            super().restore(tensor)
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed 1D host tensor, pinned if ``pin`` (a clear error if pinned memory cannot be had)."""
+    try:
+        return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=pin)
+    except RuntimeError as err:
+        raise ValueError(
+            f"CPU offload could not allocate {numel * dtype.itemsize / 2**20:.1f} MiB of pinned host memory "
+            f"({err}). Pinned (page-locked) memory is limited by the system (ulimit -l, container limits); "
+            "raise the limit, use more ranks, or set offload.optimizer='none'."
+        ) from err
+
+
+class HostCopies:
+    """Copies of reduced gradient chunks from the device down to host memory. On CUDA each one runs on
+    a side stream once the work queued so far (the collective that produced the chunk) is done, so
+    backward goes on while it lands; :meth:`wait` before the host reads. Elsewhere a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None or src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=dst.is_pinned())
+        src.record_stream(self.stream)  # its memory is not reused before the copy has read it
+
+    def wait(self) -> None:
+        """Every copy to or from pinned host memory queued so far has landed."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.stream is not None:
+                self.stream.synchronize()
+
+
+@dataclass(frozen=True)
+class Placements:
+    """One run's placement of each side of a bucket: the device (full parameters, local gradients, staging),
+    the optimizer's side (master, gradient shard and the optimizer's gradients: host memory when offloaded)
+    and stage 3's parameter shard (host memory with ``offload.params``)."""
+
+    device: Placement
+    optimizer: Placement
+    shard: Placement
+    copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down to the host
+
+    @classmethod
+    def of(cls, offload: Offload, device: torch.device) -> "Placements":
+        on_device = DevicePlacement(device)
+        host = HostPlacement(pin=device.type == "cuda")
+        return cls(
+            device=on_device,
+            optimizer=host if offload.optimizer_on_host else on_device,
+            shard=host if offload.params_on_host else on_device,
+            copies=HostCopies(device) if offload.optimizer_on_host else None,
+        )
+
+    @classmethod
+    def on(cls, placement: Placement) -> "Placements":
+        """Everything in one placement (no offload)."""
+        return cls(device=placement, optimizer=placement, shard=placement)
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        """The optimizer's side (master, its gradients, the step) lives in host memory, in buffers of its own
+        even when the model is on the CPU too."""
+        return self.optimizer is not self.device
+
+    @property
+    def pin(self) -> bool:
+        return self.optimizer.where is Where.PINNED_HOST or self.shard.where is Where.PINNED_HOST
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)``, overlapped with later device work where it can be (:class:`HostCopies`)."""
+        if self.copies is None:
+            dst.copy_(src)
+        else:
+            self.copies.copy_down(dst, src)
+
+    def wait(self) -> None:
+        """The host may read what was copied down (and the device what was copied up)."""
+        if self.copies is not None:
+            self.copies.wait()

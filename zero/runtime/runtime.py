@@ -1,0 +1,237 @@
+"""``Runtime``: the assembled parts of one ``ZeroOptimizer`` (see ``zero.runtime.build``) and the training
+operations over them: clipping, the step, clearing gradients, closing.
+
+Absent parts are null objects, so each operation reads as one straight line: below stage 3 the gatherer is a
+``NoGatherer``, without fp16 the scaler is ``NoLossScaling``, without ``offload.delayed_step`` the update is an
+``ImmediateUpdate``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from zero.comm import Communicator
+from zero.config import ZeroConfig
+from zero.kernels.grad_norm import local_norm, scale_
+from zero.precision import DTYPES, cast_inputs
+from zero.runtime.bucket import Bucket, LocalPiece
+from zero.runtime.delayed import DelayedStep
+from zero.runtime.gatherer import ParamGatherer
+from zero.runtime.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.no_gatherer import NoGatherer
+from zero.runtime.ownership import Owner, check_model
+from zero.runtime.partition import Partition
+from zero.runtime.placement import Placements
+from zero.runtime.reducer import GradReducer, GradState
+from zero.runtime.release import ModelRelease
+from zero.runtime.stages import Stage
+from zero.runtime.stepper import BucketStepper, ImmediateUpdate
+from zero.runtime.wrappers import check_not_called_by_ddp
+
+
+@dataclass(eq=False)
+class Runtime:
+    """One rank's optimizer runtime; built once by :func:`zero.runtime.build.build_runtime`."""
+
+    config: ZeroConfig
+    module: torch.nn.Module
+    comm: Communicator
+    stage: Stage
+    partition: Partition
+    placements: Placements
+    owner: Owner  # what the managed parameters are marked with (zero.runtime.ownership)
+    inner: torch.optim.Optimizer  # the wrapped optimizer, rebuilt over this rank's pieces
+    stepper: BucketStepper
+    update: ImmediateUpdate | DelayedStep
+    scaler: LossScaler | NoLossScaling
+    gatherer: ParamGatherer | NoGatherer
+    checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
+    reducer: GradReducer = field(init=False)
+    release: ModelRelease = field(init=False)
+    first_forward_hook: Any = field(init=False)
+    steps: int = 0  # step() calls so far (compared across ranks at each gradient reduction)
+    grads_prepared: bool = False  # the optimizer's gradients of this step are made (see master_grads)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.partition.buckets
+
+    @property
+    def trainable_buckets(self) -> list[Bucket]:
+        return self.partition.trainable_buckets
+
+    # ----- checks ------------------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.release.done:
+            raise ValueError("this ZeroOptimizer was closed (close()); build a new one over the model to train it")
+
+    def check_model(self) -> None:
+        """As each backward pass starts and before a step: see :func:`zero.runtime.ownership.check_model`."""
+        check_model(self.module, self.buckets, whole=not self.gatherer.sharded)
+
+    def before_backward(self) -> None:
+        """As each backward pass starts: the model check, (fp16) that its loss was scaled, and that the
+        optimizer's gradients of this step were not made yet (or are dropped, to be made again)."""
+        self.check_model()
+        if self.scaler.enabled and self.grads_prepared:
+            raise ValueError(
+                "a backward pass after clip_grad_norm_() and before step(): with fp16 loss scaling, clipping "
+                "unscaled this step's gradients, and this pass would add scaled ones to them. Run every "
+                "backward pass of a step before clipping."
+            )
+        self.scaler.begin_pass()
+        self.release_master_grads()
+
+    def before_first_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.runtime.wrappers)."""
+        check_not_called_by_ddp(self.module)
+        self.first_forward_hook.remove()
+
+    def cast_forward_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Cast the root forward's floating-point inputs to ``param_dtype``; first check the model (a cast
+        after wrapping would otherwise surface as torch's dtype mismatch, not as our error naming the fix)."""
+        self.check_model()
+        dtype = DTYPES[self.config.precision.param_dtype]
+        return cast_inputs(dtype, args), cast_inputs(dtype, kwargs)
+
+    def check_frozen_unchanged(self) -> None:
+        frozen = self.partition.frozen + [(slot.name, slot.param) for slot in self.partition.frozen_slots]
+        for name, p in frozen:
+            if p.grad is not None:
+                raise ValueError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer was built but now "
+                    "has a gradient; ZeroOptimizer does not manage it. Rebuild the optimizer after unfreezing."
+                )
+
+    # ----- gradients --------------------------------------------------------------------------------------
+
+    def before_step(self) -> bool:
+        """Common to clipping and stepping: finish an interrupted pass, check the model, release what stage 3
+        still holds gathered; whether there are gradients to use (the same on every rank)."""
+        self.check_open()
+        self.reducer.apply_user_grad_edits()
+        self.check_model()
+        return self.reducer.state is not GradState.EMPTY
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The optimizer's gradients for this step, made once per step (so that clipping them is what the
+        step uses): in the master dtype, unscaled (fp16), for this rank's pieces of parameters that have
+        a gradient, in model order."""
+        if not self.grads_prepared:
+            for bucket in self.trainable_buckets:
+                bucket.make_master_grads(self.scaler.inv_scale)
+            self.placements.wait()  # offload: the gradients copied down have landed
+            self.grads_prepared = True
+        return [p.slot.bucket.grad_piece(p) for p in self.pieces_in_model_order if p.slot.used_anywhere]
+
+    @cached_property
+    def pieces_in_model_order(self) -> list[LocalPiece]:
+        return sorted((p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start))
+
+    def release_master_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.release_master_grads()
+        self.grads_prepared = False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        if not self.before_step():
+            return torch.zeros((), device=self.comm.device)
+        self.reducer.require_reduced("clip_grad_norm_()")
+        grads = self.master_grads()
+        norm_type = float(norm_type)
+        total = local_norm(grads, norm_type, self.comm.device)  # offload: computed on the host, moved
+        if self.stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
+            what = "all-reduce of the gradient norm"
+            if norm_type == math.inf:
+                self.comm.all_reduce(total, op="max", what=what).wait()
+            else:
+                partial = total.to(torch.float64).pow(norm_type)
+                self.comm.all_reduce(partial, what=what).wait()
+                total = partial.pow(1.0 / norm_type).to(torch.float32)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
+        scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    # ----- the step ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, step_kwargs: dict[str, Any]) -> None:
+        has_grads = self.before_step()
+        self.gatherer.reshard_all()  # a copy still gathered now would be stale after the step
+        if has_grads:
+            self.reducer.require_reduced("step()")
+            self.check_frozen_unchanged()
+            self._update(step_kwargs)
+        else:  # no backward since zero_grad(): nothing to update, as torch's optimizers skip p.grad None
+            self.flush()
+        self.steps += 1
+        self.comm.end_step()
+
+    def _update(self, step_kwargs: dict[str, Any]) -> None:
+        buckets = self.trainable_buckets
+        if self.update.pending:  # share the update started by the previous step()
+            self.flush()
+        else:
+            for bucket in buckets:
+                bucket.adopt_edits()
+        self.master_grads()
+        # an fp16 overflow skips the update: the masters (edits taken above) already match the parameters
+        handles = [] if self.scaler.found_inf else self.update.update(buckets, step_kwargs)
+        self.release_master_grads()
+        wait_all(handles)
+        self.scaler.update()
+
+    def flush(self) -> None:
+        """With ``offload.delayed_step``: wait for the update in flight and share it; else nothing."""
+        if not self.update.pending:
+            return
+        buckets = self.trainable_buckets
+        self.update.check_unedited(buckets)
+        self.update.finish()
+        self.share_masters(buckets)
+        self.update.remember(buckets)
+
+    def share_masters(self, buckets: list[Bucket]) -> None:
+        """Cast each bucket's master into this rank's chunk of its parameters and share it (stages 1-2)."""
+        for bucket in buckets:
+            bucket.push_master()
+        wait_all([self.stage.gather_params(bucket, self.comm) for bucket in buckets])
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.check_open()
+        if set_to_none:
+            self.reducer.clear()
+        else:
+            self.reducer.zero()
+        self.release_master_grads()
+
+    def quiesce(self) -> None:
+        """Before checkpoint state is read or written, or the model given back: the delayed update shared,
+        nothing gathered (stage 3), and edits made since the step in the masters."""
+        self.flush()
+        self.gatherer.reshard_all()
+        for bucket in self.trainable_buckets:
+            bucket.adopt_edits()
+
+    def close(self) -> None:
+        self.flush()
+        self.gatherer.reshard_all()
+        self.release.close()
+
+    def steps_taken(self) -> int:
+        return self.steps
+
+
+def wait_all(handles: list) -> None:
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
