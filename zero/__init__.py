@@ -10,8 +10,7 @@ from zero.offload import Offload
 from zero.optimizer import ZeroOptimizer, init_sharded
 from zero.precision import LossScale, MixedPrecision
 from zero.profiler import profile
-
-__version__ = "0.2.0"
+from zero.version import __version__
 
 __all__ = [
     "ActivationCheckpointing", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig",

@@ -34,12 +34,15 @@ class MemoryItem:
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    parameters: int
-    gradients: int
-    optimizer_state: int
+    """Per-rank model-state bytes by kind: measured (``ZeroOptimizer.model_state_bytes()``, whole bytes) or
+    predicted by :func:`zero_model_states` (fractional where a kind is split over the ranks)."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float  # master weights included
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.parameters + self.gradients + self.optimizer_state
 
 
@@ -81,6 +84,42 @@ def live_tensor_bytes(device: str | torch.device = "cpu") -> int:
     return storage_bytes(list(live_tensors(device)))
 
 
+STAGES = (0, 1, 2, 3)
+
+
+def zero_model_states(
+    numel: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_bytes: int = 8,
+    reduced_bytes: int | None = None,
+) -> ModelStateBytes:
+    """The ZeRO paper's per-rank model-state bytes, by kind, for ``numel`` parameters (Ψ) on ``world_size``
+    ranks (N): the one implementation of the formula (:func:`zero_model_state_bytes` gives its total,
+    :func:`zero.estimator.model_states` takes a precision's name).
+
+    Bytes per parameter: ``param_bytes``, ``grad_bytes`` (autograd's gradients), ``optimizer_bytes``
+    (Adam's m and v, and mixed precision's fp32 master copy) and ``reduced_bytes``, the reduced gradient
+    (default: ``grad_bytes``). Defaults are plain fp32 Adam: stage 0 ``16Ψ``, stage 1 ``8Ψ + 8Ψ/N``,
+    stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``. When the reduced gradient is wider than the gradients
+    (bf16 gradients reduced in fp32), stages 0-1 keep it beside their gradient buffer (stage 1: its
+    shard) and stages 2-3 shard it at its own width.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    reduced = grad_bytes if reduced_bytes is None else reduced_bytes
+    p, g, k, r = param_bytes * numel, grad_bytes * numel, optimizer_bytes * numel, reduced * numel
+    kept = g + (0 if reduced == grad_bytes else r / (1 if stage == 0 else n))  # stages 0-1's gradient buffer
+    sharded = {0: (p, kept, k), 1: (p, kept, k / n), 2: (p, r / n, k / n), 3: (p / n, r / n, k / n)}
+    return ModelStateBytes(*map(float, sharded[stage]))
+
+
 def zero_model_state_bytes(
     numel: int,
     world_size: int,
@@ -90,15 +129,12 @@ def zero_model_state_bytes(
     grad_bytes: int = 4,
     optimizer_bytes: int = 8,
 ) -> float:
-    """The ZeRO paper's per-rank model-state bytes for ``numel`` parameters (Ψ) on ``world_size`` ranks.
+    """The total of :func:`zero_model_states`: the ZeRO paper's per-rank model-state bytes for ``numel``
+    parameters (Ψ) on ``world_size`` ranks.
 
     Defaults are plain fp32 Adam (4-byte params and grads, 8 bytes of m and v): stage 0
     ``16Ψ``, stage 1 ``8Ψ + 8Ψ/N``, stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
     For mixed-precision Adam pass ``param_bytes=2, grad_bytes=2, optimizer_bytes=12``.
     """
-    n = world_size
-    p, g, k = param_bytes * numel, grad_bytes * numel, optimizer_bytes * numel
-    sharded = {0: (p, g, k), 1: (p, g, k / n), 2: (p, g / n, k / n), 3: (p / n, g / n, k / n)}
-    if stage not in sharded:
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    return float(sum(sharded[stage]))
+    return zero_model_states(numel, world_size, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                             optimizer_bytes=optimizer_bytes).total

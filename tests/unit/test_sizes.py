@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero.estimator import parse_size as profiler_parse_size
+from zero.estimator import parse_size as estimator_parse_size
 from zero.sizes import format_bytes, format_count, parse_size
 
 
@@ -34,8 +34,8 @@ def test_parse_size_refuses_what_is_not_a_size(text):
         parse_size(text)
 
 
-def test_the_profilers_parse_size_is_the_same_parser():
-    assert profiler_parse_size is parse_size
+def test_the_estimators_parse_size_is_the_same_parser():
+    assert estimator_parse_size is parse_size
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import zero
 from zero.checkpoint.consolidate import consolidate
 from zero.cli import demo
 from zero.cli import estimate as estimate_cli
@@ -15,6 +14,7 @@ from zero.cli.types import SIZE_HELP, memory_size
 from zero.models import gpt_config
 from zero.precision import DTYPES
 from zero.sizes import KiB, TiB, size_range
+from zero.version import __version__
 
 SHARD_SIZES = (KiB, TiB)  # --max-shard-size's accepted range (inclusive)
 
@@ -29,7 +29,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="zero", description="ZeRO data parallelism for PyTorch")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {zero.__version__}",
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      help="run zero COMMAND --help for its options")

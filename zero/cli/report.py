@@ -21,7 +21,8 @@ from zero.memory import CATEGORIES
 from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
 from zero.offload import available_host_bytes
 from zero.optimizer import ZeroOptimizer
-from zero.profiler.tracker import Sample, profile
+from zero.profiler.sample import Sample
+from zero.profiler.tracker import profile
 from zero.sizes import format_bytes, format_count
 
 MiB = 2**20

@@ -33,12 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zero.activations import MATMULS
 from zero.estimator.schedule import Options, replay
 from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
-from zero.memory import CATEGORIES
+from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
 from zero.precision import DTYPES, MixedPrecision
 from zero.runtime.units import plan_units
-from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported for zero.profiler
-
-STAGES = (0, 1, 2, 3)
+from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
 
 @dataclass(frozen=True)
@@ -66,34 +64,15 @@ class Precision:
 PRECISIONS = {name: Precision.of(policy, name) for name, policy in POLICIES.items()}
 
 
-@dataclass(frozen=True)
-class ModelStates:
-    parameters: float
-    gradients: float
-    optimizer_state: float  # master weights included
-
-    @property
-    def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state
-
-
-def model_states(numel: int, world_size: int, stage: int, precision: str | Precision = "fp32") -> ModelStates:
-    """Per-rank model-state bytes after a step (Ψ = ``numel``, N = ``world_size``): the ZeRO paper's
-    formulas when the reduced gradient has the gradients' dtype ("fp32", "mixed"); with a wider reduced
-    gradient ("mixed-fp32-reduce") stages 0-1 keep it beside their gradient buffer and stages 2-3
-    shard it at its own width."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+def model_states(numel: int, world_size: int, stage: int, precision: str | Precision = "fp32") -> ModelStateBytes:
+    """Per-rank model-state bytes after a step (Ψ = ``numel``, N = ``world_size``) for a precision's name (a key of
+    ``PRECISIONS``: "fp32", "mixed", "mixed-fp32-reduce" ...) or :class:`Precision`: the ZeRO paper's formulas
+    (:func:`zero.memory.zero_model_states`) when the reduced gradient has the gradients' dtype ("fp32",
+    "mixed"); with a wider reduced gradient ("mixed-fp32-reduce") stages 0-1 keep it beside their gradient
+    buffer and stages 2-3 shard it at its own width."""
     prec = precision if isinstance(precision, Precision) else _precision(precision)
-    n = world_size
-    p, g, k = prec.param * numel, prec.grad * numel, (prec.master + prec.optimizer) * numel
-    shard = 1 if stage == 0 else n
-    kept = g + (0 if prec.reduced == prec.grad else prec.reduced * numel / shard)  # stages 0-1
-    sharded = {0: (p, kept, k), 1: (p, kept, k / n), 2: (p, prec.reduced * numel / n, k / n)}
-    sharded[3] = (p / n, prec.reduced * numel / n, k / n)
-    return ModelStates(*map(float, sharded[stage]))
+    return zero_model_states(numel, world_size, stage, param_bytes=prec.param, grad_bytes=prec.grad,
+                             optimizer_bytes=prec.master + prec.optimizer, reduced_bytes=prec.reduced)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Predicting memory before a run is :mod:`zero.estimator`'s."""
 
 from zero.memory import CATEGORIES
-from zero.profiler.tracker import MemoryTracker, Sample, profile
+from zero.profiler.sample import Sample
+from zero.profiler.tracker import MemoryTracker, profile
 
 __all__ = ["CATEGORIES", "MemoryTracker", "Sample", "profile"]

@@ -1,45 +1,43 @@
 """What a tracked run shows: the terminal table, the JSON document and the figure.
 
-All three read the same things from a finished :class:`~zero.profiler.tracker.MemoryTracker`:
-its samples (bytes per category at each point), the sample with the allocator's highest
-figure (the peak, with its breakdown by category, label and module), and the allocator's
-true maximum, which can fall inside an operator, between two samples.
+All three read the same things from a finished run (a :class:`~zero.profiler.sample.Recording`, such as the
+:class:`~zero.profiler.tracker.MemoryTracker` that calls them): its samples (bytes per category at each point),
+the sample with the allocator's highest figure (the peak, with its breakdown by category, label and module),
+and the allocator's true maximum, which can fall inside an operator, between two samples.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zero.memory import CATEGORIES
-
-if TYPE_CHECKING:
-    from zero.profiler.tracker import MemoryTracker, Sample
+from zero.profiler.sample import Recording, Sample
 
 MiB = 2**20
 
 
-def peak_sample(tracker: "MemoryTracker") -> "Sample":
+def peak_sample(tracker: Recording) -> Sample:
     """The sample with the allocator's highest figure (the first, if several tie)."""
     if not tracker.samples:
         raise ValueError("nothing was recorded: use the tracker as a context manager around training steps")
     return max(tracker.samples, key=lambda s: (s.allocated, -s.index))
 
 
-def between_steps(tracker: "MemoryTracker") -> "Sample | None":
+def between_steps(tracker: Recording) -> Sample | None:
     """The last sample taken right after an optimizer step (model state at rest, gradients included)."""
     after = [s for s in tracker.samples if s.event == "optimizer step ends"]
     return after[-1] if after else None
 
 
-def top_modules(sample: "Sample", count: int = 8) -> list[tuple[str, int]]:
+def top_modules(sample: Sample, count: int = 8) -> list[tuple[str, int]]:
     """Modules holding the most bytes at ``sample`` (activations and temporaries they created,
     stage-3 units' gathered parameters); model-wide buffers are left out."""
     named = [(m, b) for m, b in sample.modules.items() if m]
     return sorted(named, key=lambda x: -x[1])[:count]
 
 
-def table(tracker: "MemoryTracker") -> str:
+def table(tracker: Recording) -> str:
     """The terminal report: per category at the peak and between steps, the largest labels and
     modules at the peak, and how well the categories reconcile with the allocator."""
     peak = peak_sample(tracker)
@@ -93,12 +91,12 @@ def describe_event(event: str) -> str:
     return f"the {name.strip('_')} operator" + (" (in place)" if in_place else "")
 
 
-def as_dict(tracker: "MemoryTracker") -> dict[str, Any]:
+def as_dict(tracker: Recording) -> dict[str, Any]:
     """Everything the report shows, as plain data (bytes)."""
     peak = peak_sample(tracker)
     rest = between_steps(tracker)
 
-    def breakdown(s: "Sample") -> dict[str, Any]:
+    def breakdown(s: Sample) -> dict[str, Any]:
         return {
             "index": s.index, "step": s.step, "phase": s.phase, "module": s.module, "event": s.event,
             "allocated": s.allocated, "unexplained": s.unexplained, "categories": s.categories,
@@ -107,7 +105,7 @@ def as_dict(tracker: "MemoryTracker") -> dict[str, Any]:
 
     return {
         "device": str(tracker.device),
-        "run": dict(getattr(tracker, "run", None) or {}),
+        "run": dict(tracker.run or {}),
         "allocator": tracker.allocator.name,
         "steps": tracker.steps,
         "allocator_peak": tracker.allocator.peak,
@@ -126,7 +124,7 @@ def as_dict(tracker: "MemoryTracker") -> dict[str, Any]:
     }
 
 
-def to_json(tracker: "MemoryTracker", path: str | None = None) -> str:
+def to_json(tracker: Recording, path: str | None = None) -> str:
     text = json.dumps(as_dict(tracker), indent=1)
     if path is not None:
         with open(path, "w") as f:
@@ -147,11 +145,11 @@ def count_text(n: int) -> str:
     return str(n)
 
 
-def title_text(tracker: "MemoryTracker", *, model: str | None = None, params: int | None = None,
+def title_text(tracker: Recording, *, model: str | None = None, params: int | None = None,
                stage: int | None = None, world_size: int | None = None, rank: int | None = None) -> str:
     """The plot's title: ``GPT, 3.3M params, ZeRO stage 3, world size 2, rank 0 (cpu)``. Each figure the
     caller passes wins over what the tracker recorded from the model and optimizer it was given."""
-    run = getattr(tracker, "run", None) or {}
+    run = tracker.run or {}
     model = model if model is not None else run.get("model")
     params = params if params is not None else run.get("params")
     stage = stage if stage is not None else run.get("stage")
@@ -165,7 +163,7 @@ def title_text(tracker: "MemoryTracker", *, model: str | None = None, params: in
     return ", ".join(parts) + f" ({tracker.device})"
 
 
-def phase_spans(tracker: "MemoryTracker") -> list[tuple[str, float, float]]:
+def phase_spans(tracker: Recording) -> list[tuple[str, float, float]]:
     """Runs of consecutive samples in one phase: ``(phase, start, end)`` in seconds; a run lasts until the
     next run's first sample (the last one until the last sample). Idle runs are left out."""
     samples = tracker.samples
@@ -180,7 +178,7 @@ def phase_spans(tracker: "MemoryTracker") -> list[tuple[str, float, float]]:
     return spans
 
 
-def module_bars(sample: "Sample", count: int = 14) -> list[tuple[str, dict[str, int]]]:
+def module_bars(sample: Sample, count: int = 14) -> list[tuple[str, dict[str, int]]]:
     """Each module's own bytes at ``sample`` by category, largest first: what it created, saved or
     gathered, and the model state it holds. A storage is counted once, for the innermost module
     running when it was made, so a parent's figure never includes its children's. The ``count``
@@ -202,7 +200,7 @@ def module_bars(sample: "Sample", count: int = 14) -> list[tuple[str, dict[str, 
     return ranked
 
 
-def plot(tracker: "MemoryTracker", path: str, **title: Any) -> None:
+def plot(tracker: Recording, path: str, **title: Any) -> None:
     """Save :func:`figure` to ``path`` (PNG, or any format matplotlib knows from the suffix)."""
     fig = figure(tracker, **title)  # (raises a clear error without matplotlib)
     import matplotlib.pyplot as plt
@@ -213,7 +211,7 @@ def plot(tracker: "MemoryTracker", path: str, **title: Any) -> None:
         plt.close(fig)
 
 
-def figure(tracker: "MemoryTracker", **title: Any) -> Any:
+def figure(tracker: Recording, **title: Any) -> Any:
     """The memory figure, a matplotlib ``Figure`` (the Agg backend; close it with ``plt.close``).
 
     Left: bytes by category over time (stacked), the allocator's figure on top, the phases

@@ -12,7 +12,7 @@ While a :class:`MemoryTracker` is active it keeps three registries of tensor sto
   and phase it was created in; and the storages that were already alive on entry.
 
 It samples at every module's forward pre- and post-hook, when backward reaches a module's
-outputs, at every parameter's gradient and around ``optimizer.step()``. A sample claims each
+outputs, at every parameter's gradient and around ``optimizer.step()``. A sample counts each
 live storage once, in this order: owned (by the owner's category), saved (``activations``),
 created during the run (``temporaries``; ``activations`` when created by a forward recomputed in backward,
 the ``recompute`` phase of activation checkpointing), alive on entry (``other``). Sizes are read when
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -39,35 +38,9 @@ from zero.memory import CATEGORIES, MemoryItem
 from zero.outputs import tensors_in
 from zero.profiler import report
 from zero.profiler.allocator import Allocator, make_allocator
+from zero.profiler.sample import Sample
 from zero.profiler.storages import EntryStorage, Origin, SavedStorage, SavedTensor, entry_storages, register
 from zero.weak import weak_hook
-
-
-@dataclass
-class Sample:
-    """Live bytes at one point of the run."""
-
-    index: int
-    time: float  # seconds since the tracker started
-    step: int  # optimizer steps completed before this sample
-    phase: str
-    module: str  # the module running ("" outside any)
-    event: str  # what triggered the sample
-    categories: dict[str, int]
-    labels: dict[str, int]  # "category/label" -> bytes
-    modules: dict[str, int]  # module -> bytes of storages it created or serves ("" : the whole model)
-    allocated: int = 0  # the allocator's figure
-    entry_alive: int = 0  # bytes of storages alive on entry that are still alive (CPU reconciliation)
-    created_ptrs: frozenset[int] = frozenset()  # addresses of the temporaries (CPU reconciliation)
-    module_categories: dict[tuple[str, str], int] = field(default_factory=dict)  # (module, category) -> bytes
-
-    @property
-    def total(self) -> int:
-        return sum(self.categories.values())
-
-    @property
-    def unexplained(self) -> int:
-        return self.allocated - self.total
 
 
 class _Context:
@@ -226,7 +199,7 @@ class MemoryTracker:
         size = self.allocator.block_size
         index = len(self.samples)
 
-        def claim(storage: torch.UntypedStorage, category: str, label: str, module: str) -> None:
+        def count_storage(storage: torch.UntypedStorage, category: str, label: str, module: str) -> None:
             key = storage._cdata
             if key in seen or storage.device != self.device:
                 return
@@ -240,20 +213,20 @@ class MemoryTracker:
 
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters guard their storage
             for item in self._owned():
-                claim(item.tensor.untyped_storage(), item.category, item.label, item.module)
+                count_storage(item.tensor.untyped_storage(), item.category, item.label, item.module)
             for origin in list(self._saved.values()):  # held by autograd right now
                 storage = origin.ref()
                 if storage is not None:
-                    claim(storage, "activations", "saved for backward", origin.module)
+                    count_storage(storage, "activations", "saved for backward", origin.module)
             created_ptrs = set()
             for origin in list(self._created.values()):
                 storage = origin.ref()
                 if storage is not None:
                     created_ptrs.add(storage.data_ptr())
                     if origin.phase == "recompute":  # activation checkpointing rebuilt it for backward
-                        claim(storage, "activations", "recomputed", origin.module)
+                        count_storage(storage, "activations", "recomputed", origin.module)
                     else:
-                        claim(storage, "temporaries", f"created in {origin.phase}", origin.module)
+                        count_storage(storage, "temporaries", f"created in {origin.phase}", origin.module)
             entry_alive = 0
             for entry in self._entry.values():
                 if entry.dead_at is not None:
@@ -263,7 +236,7 @@ class MemoryTracker:
                     entry.dead_at = index
                     continue
                 entry_alive += entry.nbytes
-                claim(storage, "other", "alive on entry", "")
+                count_storage(storage, "other", "alive on entry", "")
         self.allocator.mark(index)
         self.samples.append(Sample(
             index=index, time=time.perf_counter() - self._start, step=self._ctx.step, phase=self._ctx.phase,

@@ -1,0 +1,188 @@
+"""Loading a portable checkpoint (:mod:`zero.checkpoint.portable`) at any world size and stage: every check
+first, on every rank, then each rank reads the ranges it owns now from whichever files hold them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero.checkpoint import tree
+from zero.checkpoint.files import Checkpoint
+from zero.checkpoint.model_tensors import ModelTensor, checked, describe
+from zero.checkpoint.progress import Progress, ProgressArg
+from zero.checkpoint.shard_header import class_name
+from zero.optimizer import ZeroOptimizer
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: ZeroOptimizer | None = None,
+    *,
+    scheduler: Any = None,
+    progress: ProgressArg = True,
+) -> Any:
+    """Load a checkpoint saved by :func:`save_checkpoint` at any world size and stage; return its ``extra``.
+
+    Call it on every rank, after building the model and its ``ZeroOptimizer`` as for training (any
+    stage, world size, precision or offload; the optimizer's class and parameter groups as when
+    saved: their hyperparameters, e.g. the learning rate, come from the checkpoint). Restores the
+    parameters (from the fp32 master weights when they were saved), buffers, the optimizer state,
+    the loss scale and, if given, ``scheduler``. With ``optimizer=None`` it loads only the weights
+    into a plain, unwrapped model (single process). Everything is checked first (the model's names
+    and shapes, the optimizer, the files' sizes and checksums): a refused load changes nothing.
+    """
+    if optimizer is None:
+        return _load_plain(path, model, progress)
+    opt = checked(model, optimizer)
+    comm = opt.comm
+    ckpt = comm.everywhere(lambda: Checkpoint(path), "opening the checkpoint")
+    try:
+        report = progress if comm.rank == 0 or callable(progress) else False
+        plan = comm.everywhere(lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
+        opt.prepare_for_checkpoint()
+        _apply(ckpt, opt, plan)
+        if scheduler is not None and plan.state["scheduler"] is not None:
+            scheduler.load_state_dict(plan.state["scheduler"])
+        ranks = ckpt.meta.world_size
+        plan.meter.finish(f"loaded {ckpt.path} "
+                          f"(saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta.stage})")
+        return plan.state["extra"]
+    finally:
+        ckpt.close()
+
+
+@dataclass
+class LoadPlan:
+    model_tensors: list[ModelTensor]
+    state: dict[str, Any]  # the decoded trees: param_groups, scheduler, extra, loss_scale
+    meter: Progress
+
+
+def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: ProgressArg) -> LoadPlan:
+    """Every check, and the checksums of everything this rank reads; nothing is changed."""
+    model_tensors, aliases = describe(model, opt)
+    shapes = {h.name: tuple(h.tensor.shape) for h in model_tensors}
+    _check_names(ckpt, {**shapes, **{alias: shapes[name] for alias, name in aliases.items()}})
+    _check_optimizer(ckpt, opt, model_tensors)
+    keys = ckpt.extra_keys()
+    for h in model_tensors:
+        for start, numel in _ranges(h, opt):
+            keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
+    meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
+    ckpt.verify(keys, on_bytes=meter.advance)
+    state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
+    if len(state["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"{ckpt.path} was saved with {len(state['param_groups'])} param groups but the optimizer has "
+                         f"{len(opt.param_groups)}; build it with the same param groups as when it was saved")
+    return LoadPlan(model_tensors, state, meter)
+
+
+def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: int = 4) -> None:
+    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds. The
+    refusal names the shape mismatches first, then the names only the checkpoint has, then those only the model
+    has, each with its count (the first ``shown`` of each listed)."""
+    aliases = ckpt.meta.aliases
+    saved = {name: tuple(ckpt.tensors[aliases.get(name, name)].shape) for name in [*ckpt.tensors, *aliases]}
+    differ = [name for name in sorted(saved.keys() & shapes.keys()) if saved[name] != tuple(shapes[name])]
+    only_saved, only_model = sorted(saved.keys() - shapes.keys()), sorted(shapes.keys() - saved.keys())
+    if not (differ or only_saved or only_model):
+        return
+    halves = []
+    if differ:
+        listed = ", ".join(f"{n!r} is {saved[n]} in the checkpoint but {tuple(shapes[n])} in the model"
+                           for n in differ[:shown])
+        halves.append(f"{_count(differ, 'tensor')} of another shape ({listed}{_more(differ, shown)})")
+    if only_saved:
+        halves.append(f"the checkpoint has {_count(only_saved, 'tensor')} that the model lacks "
+                      f"({', '.join(map(repr, only_saved[:shown]))}{_more(only_saved, shown)})")
+    if only_model:
+        halves.append(f"the model has {_count(only_model, 'tensor')} that the checkpoint lacks "
+                      f"({', '.join(map(repr, only_model[:shown]))}{_more(only_model, shown)})")
+    raise ValueError(f"{ckpt.path} is a checkpoint of another model: {'; '.join(halves)}")
+
+
+def _count(names: list[str], what: str) -> str:
+    return f"{len(names)} {what}{'s' if len(names) > 1 else ''}"
+
+
+def _more(names: list[str], shown: int) -> str:
+    return f", and {len(names) - shown} more" if len(names) > shown else ""
+
+
+def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> None:
+    """The same optimizer class, and every trainable parameter in the same param group."""
+    has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces)
+    saved_class = ckpt.meta.optimizer_class
+    if has_state and saved_class != class_name(opt.inner):
+        raise ValueError(f"{ckpt.path} holds the state of a {saved_class} but this ZeroOptimizer wraps "
+                         f"a {class_name(opt.inner)}; wrap a {saved_class} to resume from it")
+    for h in model_tensors:
+        if h.slot is None or not h.slot.bucket.trainable:
+            continue
+        record = ckpt.tensors[ckpt.meta.aliases.get(h.name, h.name)]
+        if record.trainable and record.group != h.slot.group_index:
+            raise ValueError(f"{h.name!r} was in param group {record.group} when saved but is in group "
+                             f"{h.slot.group_index} now; build the optimizer with the same param groups")
+
+
+def _ranges(h: ModelTensor, opt: ZeroOptimizer) -> list[tuple[int, int]]:
+    """The element ranges of ``h`` this rank holds: its pieces in its bucket's chunk, or all of it."""
+    if h.slot is None:
+        return [(0, h.tensor.numel())]
+    bucket = h.slot.bucket
+    return [(p.param_start, p.numel) for p in bucket.layout.pieces(bucket.shard_index)
+            if p.param_index == h.slot.span.param_index]
+
+
+def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
+    """Write the values into masters, shards and whole tensors; rebuild the optimizer state; share."""
+    aliases = ckpt.meta.aliases
+    with torch.no_grad():
+        for h in plan.model_tensors:
+            name = aliases.get(h.name, h.name)
+            if h.slot is None:
+                ckpt.read(name, 0, h.tensor.numel(), h.tensor.data.view(-1))
+                continue
+            bucket = h.slot.bucket
+            target = bucket.master if bucket.trainable else bucket.shard
+            for p in bucket.layout.pieces(bucket.shard_index):
+                if p.param_index == h.slot.span.param_index:
+                    ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel))
+    opt.inner.state.clear()
+    piece_of = {id(p.tensor): p for b in opt.buckets for p in b.pieces}
+    state, groups, index = {}, [], 0
+    for group, hyper in zip(opt.inner.param_groups, plan.state["param_groups"]):
+        ids = []
+        for tensor in group["params"]:
+            piece = piece_of[id(tensor)]
+            saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
+                                    piece.piece.numel)
+            if saved:
+                state[index] = saved
+            ids.append(index)
+            index += 1
+        groups.append({**hyper, "params": ids})
+    opt.finish_load({"state": state, "param_groups": groups}, plan.state["loss_scale"])
+
+
+def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: ProgressArg) -> Any:
+    """Weights only, into an unwrapped model (one process)."""
+    with Checkpoint(path) as ckpt:
+        sd = model.state_dict(keep_vars=True)
+        _check_names(ckpt, {name: tuple(tensor.shape) for name, tensor in sd.items()})
+        names = {name: ckpt.meta.aliases.get(name, name) for name in sd}
+        keys = ckpt.extra_keys()
+        for name in set(names.values()):
+            keys |= ckpt.keys_of(name, 0, ckpt.numel(name), state=False)
+        meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
+        ckpt.verify(keys, on_bytes=meter.advance)
+        state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
+        with torch.no_grad():
+            for name, tensor in sd.items():
+                ckpt.read(names[name], 0, tensor.numel(), tensor.data.view(-1))
+        meter.finish(f"loaded the weights of {ckpt.path}")
+        return state["extra"]

@@ -1,0 +1,157 @@
+"""Saving a portable checkpoint (:mod:`zero.checkpoint.portable`: the format, and what makes it atomic): each
+rank writes what it alone owns, then rank 0 writes ``metadata.json`` and renames the directory into place."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from zero.checkpoint import directory as checkpoint_directory
+from zero.checkpoint import tensorfile, tree
+from zero.checkpoint.model_tensors import ModelTensor, checked, describe
+from zero.checkpoint.progress import Progress, ProgressArg
+from zero.checkpoint.schema import FORMAT, CheckpointMetadata, part_name
+from zero.checkpoint.shard_header import class_name
+from zero.checkpoint.tensorfile import Spec
+from zero.comm import Communicator
+from zero.optimizer import ZeroOptimizer
+from zero.runtime.bucket import Bucket
+from zero.version import __version__
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: ZeroOptimizer,
+    *,
+    scheduler: Any = None,
+    extra: Any = None,
+    progress: ProgressArg = True,
+) -> Path:
+    """Save ``model`` and ``optimizer`` (and an LR ``scheduler``'s state, and ``extra``) to directory ``path``.
+
+    Call it on every rank. It loads at any world size and stage (:func:`load_checkpoint`), and
+    exports to one file with :func:`zero.consolidate`. ``extra`` is any tree of dicts, lists,
+    tuples, strings, numbers and tensors (a data loader's position, an RNG state): it is stored as
+    JSON plus tensors, never pickled. An existing checkpoint at ``path`` is replaced atomically;
+    anything else there is refused, and so is a ``PATH.partial`` or ``PATH.replaced`` that an
+    interrupted save of ``path`` did not leave. A symlink at ``path`` is replaced by the new
+    checkpoint; the directory it pointed to is left as it was. ``progress``: print progress on
+    rank 0 (``True``), nothing (``False``) or a callable ``(bytes done, bytes total)``, called on
+    every rank. Returns ``path``.
+    """
+    opt = checked(model, optimizer)
+    comm = opt.comm
+    final = Path(path)
+    partial, _ = checkpoint_directory.siblings(final)
+    opt.prepare_for_checkpoint()
+
+    def prepare() -> tuple:
+        model_tensors, aliases = describe(model, opt)
+        state = {"param_groups": _hyperparameters(opt), "scheduler": _state_of(scheduler), "extra": extra,
+                 "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
+        tensors: list[torch.Tensor] = []
+        encoded = tree.encode(state, tensors)  # on every rank: a bad ``extra`` fails everywhere, before any write
+        writes, pieces = _my_writes(opt, model_tensors)
+        if comm.rank == 0:
+            writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
+            checkpoint_directory.prepare(final)
+        return model_tensors, aliases, encoded, writes, pieces
+
+    model_tensors, aliases, encoded, writes, pieces = comm.everywhere(prepare, "preparing the save")
+    report = progress if comm.rank == 0 or callable(progress) else False
+    meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
+    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part",
+                                share=True)
+    meta = {
+        "format": FORMAT, "zero_version": __version__, "torch_version": torch.__version__,
+        "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
+        "optimizer_class": class_name(opt.inner), "step": max(m["step"] for m in manifests),
+        "tensors": {h.name: h.record() for h in model_tensors}, "aliases": aliases, "state": encoded,
+        "files": [{"name": part_name(r, comm.world_size), "bytes": m["bytes"], "entries": m["entries"]}
+                  for r, m in enumerate(manifests)],
+    }
+    for rank, manifest in enumerate(manifests):
+        for name, records in manifest["pieces"].items():
+            meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
+    note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None,
+                           "publishing the checkpoint")
+    parts = f"{comm.world_size} part{'s' if comm.world_size > 1 else ''}"
+    meter.finish(f"saved {final} ({parts}{'; ' + note if note else ''})")
+    return final
+
+
+Write = tuple[Spec, Callable[[], torch.Tensor]]
+
+
+def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, list]]:
+    """What this rank writes: its chunk of each bucket it writes (values and optimizer state, piece by
+    piece) and its share of the tensors kept whole; and those pieces by tensor name, as the metadata
+    records them: ``[start, numel, value key, {state name: key}]``."""
+    comm = opt.comm
+    writes: list[Write] = []
+    pieces: dict[str, list] = {}
+    for bucket in opt.buckets:
+        if _writer(bucket, comm) != comm.rank:
+            continue
+        source = bucket.master if bucket.trainable else bucket.shard
+        slot_of = {s.span.param_index: s for s in bucket.slots}
+        local = {(p.slot.name, p.piece.param_start): p.tensor for p in bucket.pieces}
+        for piece in bucket.layout.pieces(bucket.shard_index):
+            slot = slot_of[piece.param_index]
+            key = f"{slot.name}/{piece.param_start}"
+            values = source.narrow(0, piece.chunk_start, piece.numel)
+            writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
+            tensor = local.get((slot.name, piece.param_start))
+            state = opt.inner.state.get(tensor, {}) if tensor is not None else {}
+            for state_name, value in state.items():
+                if not isinstance(value, torch.Tensor) or value.dim() not in (0, 1):
+                    raise ValueError(f"optimizer state {state_name!r} of {slot.name!r} is not a tensor of the "
+                                     "piece's size or a scalar tensor; this optimizer cannot be checkpointed")
+                writes.append((Spec(f"s/{key}/{state_name}", value.dtype, tuple(value.shape)), lambda v=value: v))
+            record = [piece.param_start, piece.numel, f"v/{key}", {n: f"s/{key}/{n}" for n in state}]
+            pieces.setdefault(slot.name, []).append(record)
+    whole = [h for h in model_tensors if h.slot is None]
+    for i, h in enumerate(whole):
+        if i % comm.world_size == comm.rank:
+            writes.append((Spec(f"w/{h.name}", h.tensor.dtype, tuple(h.tensor.shape)), lambda t=h.tensor: t.detach()))
+            pieces[h.name] = [[0, h.tensor.numel(), f"w/{h.name}", {}]]
+    return writes, pieces
+
+
+def _writer(bucket: Bucket, comm: Communicator) -> int:
+    """The rank that writes ``bucket``'s chunk: its owner, or at stage 0 (one shard) rank ``index mod N``."""
+    return bucket.shard_index if bucket.layout.num_shards > 1 else bucket.index % comm.world_size
+
+
+def _write_part(partial: Path, comm: Communicator, writes: list[Write], pieces: dict[str, list],
+                meter: Progress) -> dict[str, Any]:
+    """Write this rank's file; return its manifest (entries, pieces by tensor name, size, largest ``step``)."""
+    file = partial / part_name(comm.rank, comm.world_size)
+    specs = [spec for spec, _ in writes]
+    entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance).entries
+    steps = [float(make()) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")]
+    return {"entries": {k: e.to_json() for k, e in entries.items()}, "pieces": pieces,
+            "bytes": file.stat().st_size, "step": int(max(steps, default=0))}
+
+
+def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> str | None:
+    """Write the metadata last, then rename the directory into place (the old checkpoint set aside meanwhile).
+    What is written must pass the schema a load checks (an internal invariant: a save that succeeds loads)."""
+    for record in meta["tensors"].values():
+        record["pieces"].sort(key=lambda p: p[1])
+    text = json.dumps(meta).encode()
+    CheckpointMetadata.model_validate_json(text, strict=True)
+    return checkpoint_directory.publish(partial, final, text)
+
+
+def _hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+
+
+def _state_of(scheduler: Any) -> Any:
+    return scheduler.state_dict() if scheduler is not None else None
