@@ -18,7 +18,6 @@ import torch
 
 from zero.comm import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.stages.stage1 import Stage1
 from zero.runtime.stages.stage2 import StagedReduction
 
@@ -33,12 +32,12 @@ class Stage1Staged(StagedReduction, Stage1):
         """Nothing: the next pass's gradients replace the view's contents (``Stage1.before_pass``)."""
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
-        Stage0.clear_grad(self, bucket, slot)
+        super().clear_grad(bucket, slot)  # the local gradient (no reduced gradient is carried when staged)
         self.clear_shard_of(bucket, slot)
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
         self.zero_shard(bucket, set_to_none)
-        Stage0.zero_grad(self, bucket, set_to_none)
+        super().zero_grad(bucket, set_to_none)
 
 
 class Replicated:

@@ -94,7 +94,7 @@ class Stage1(Stage0):
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         super().clear_grad(bucket, slot)
-        if bucket.grad_carry.is_allocated:
+        if self.carries and bucket.grad_carry.is_allocated:
             bucket.zero_pieces_of(slot, bucket.grad_carry.data)
 
     # ----- reduction ----------------------------------------------------------------------------------
@@ -112,7 +112,8 @@ class Stage1(Stage0):
             bucket.grad_carry.free()
 
     def zero_grad(self, bucket: Bucket, set_to_none: bool) -> None:
-        bucket.grad_carry.free()
+        if self.carries:
+            bucket.grad_carry.free()
         super().zero_grad(bucket, set_to_none)  # without set_to_none the guards stay: zero gradients exist
 
     def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:

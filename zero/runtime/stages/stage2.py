@@ -38,6 +38,7 @@ class StagedReduction:
     reduced chunk goes down as soon as its collective completes)."""
 
     staged = True
+    carries = False  # nothing is set aside: each reduction adds into the gradient shard
 
     def local_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor | None:
         raise NotImplementedError
