@@ -25,8 +25,9 @@ import torch
 import zero
 from zero import ZeroOptimizer
 from zero.activations import saved_activation_bytes
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.estimator.estimator import trace
-from zero.models import GPT, add_gpt_arguments, gpt_config, synthetic_batch
+from zero.models import GPT, synthetic_batch
 
 
 def build(cfg, policy):

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 import zero
-from zero.models import GPT, add_gpt_arguments, gpt_config, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, synthetic_batch
 
 CHILD = r"""
 import json, sys, threading, time

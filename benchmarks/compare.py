@@ -75,7 +75,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero import ZeroOptimizer, zero_model_state_bytes
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, local_slice, synthetic_batch
 
 LR, WD = 3e-4, 0.1
 LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)

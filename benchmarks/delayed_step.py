@@ -22,7 +22,8 @@ import time
 import torch
 
 from zero import ZeroOptimizer
-from zero.models import GPT, add_gpt_arguments, gpt_config, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, synthetic_batch
 
 
 def build(cfg, delayed: bool, lr: float) -> tuple[GPT, ZeroOptimizer]:

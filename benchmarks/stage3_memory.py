@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from zero import ZeroOptimizer
-from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 
 class _MallInfo2(ctypes.Structure):

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 import zero
 from zero import ZeroOptimizer
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, local_slice, synthetic_batch
 
 from compare import Contender, EveryOp, _zero, in_use, parse_zero, specs
 
@@ -48,8 +49,8 @@ def build(name: str, base: GPT) -> Contender:
 
 def gathered(c: Contender) -> list[str]:
     """Units (ours) or ``fully_shard`` modules (FSDP2) not sharded right now."""
-    if isinstance(c.optimizer, ZeroOptimizer) and c.optimizer._gatherer is not None:
-        return [f"{u.name} ({u.state.value})" for u in c.optimizer._gatherer.units if u.state.value != "sharded"]
+    if isinstance(c.optimizer, ZeroOptimizer):
+        return [f"{u.name} ({u.state.value})" for u in c.optimizer.runtime.gatherer.units if u.state.value != "sharded"]
     out = []
     for name, module in c.module.named_modules():
         group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None

@@ -34,7 +34,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from zero import ZeroOptimizer
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.models import GPT, local_slice, synthetic_batch
 
 from compare import parse_zero
 

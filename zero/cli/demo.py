@@ -18,10 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.report import CPU_RANKS, check_host_memory, launch_ranks
 from zero.cli.types import real_number, real_number_range, whole_number, whole_number_range
 from zero.memory import zero_model_state_bytes
-from zero.models import GPT, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.models import GPT, local_slice, synthetic_batch
 from zero.optimizer import ZeroOptimizer
 from zero.profiler import profile
 

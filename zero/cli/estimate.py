@@ -8,12 +8,12 @@ import sys
 import time
 from typing import Any
 
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
 from zero.config import ZeroConfig
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, plan
 from zero.estimator.workload import POLICIES, Workload
-from zero.models import add_gpt_arguments, gpt_config
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
 # ZeroConfig(precision=...) for each --precision the estimator prices

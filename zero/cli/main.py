@@ -10,8 +10,8 @@ from zero.checkpoint.consolidate import consolidate
 from zero.cli import demo
 from zero.cli import estimate as estimate_cli
 from zero.cli import report as report_cli
+from zero.cli.gpt_options import gpt_config
 from zero.cli.types import SIZE_HELP, memory_size
-from zero.models import gpt_config
 from zero.precision import DTYPES
 from zero.sizes import KiB, TiB, size_range
 from zero.version import __version__

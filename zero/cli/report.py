@@ -14,11 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import whole_number, whole_number_range
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, estimate
 from zero.memory import CATEGORIES
-from zero.models import GPT, GPTConfig, add_gpt_arguments, gpt_config, local_slice, synthetic_batch
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 from zero.offload import available_host_bytes
 from zero.optimizer import ZeroOptimizer
 from zero.profiler.sample import Sample
