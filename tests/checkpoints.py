@@ -18,6 +18,7 @@ import zero
 
 METADATA = "metadata.json"
 CHECKSUM = "metadata.json.sha256"
+PART = "part-00000-of-00001.safetensors"  # a small checkpoint's one part
 
 
 class Tiny(nn.Module):
@@ -50,6 +51,14 @@ def step(model: Tiny, opt: zero.ZeroOptimizer, seed: int = 0) -> None:
     opt.backward(model(idx))
     opt.step()
     opt.zero_grad()
+
+
+def saved_tiny(path: Path, extra: Any = None) -> tuple[Tiny, zero.ZeroOptimizer]:
+    """``tiny()`` after one ``step``, saved to ``path`` with ``extra``."""
+    model, opt = tiny()
+    step(model, opt)
+    zero.save_checkpoint(path, model, opt, extra=extra, progress=False)
+    return model, opt
 
 
 def weights(model: nn.Module, opt: zero.ZeroOptimizer | None = None) -> dict[str, torch.Tensor]:

@@ -1,16 +1,13 @@
-"""The hand-built mixed-precision recipe that ZeroOptimizer is compared with (the pattern of FSDP2's own
-mixed-precision tests), and a measurement helper shared by the worlds."""
+"""The hand-built recipes that ZeroOptimizer is compared with: mixed precision (the pattern of FSDP2's own
+mixed-precision tests, also under ``torch.amp.GradScaler``) and ZeRO-Offload's one-step delayed update."""
 
 from __future__ import annotations
 
 import copy
-import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
-
-from zero.memory import live_tensor_bytes
 
 
 class MasterRecipe:
@@ -46,15 +43,20 @@ class MasterRecipe:
         return torch.cat([m.detach().flatten() for m in self.master])
 
 
-def settled_live_bytes(baseline: int, held: int) -> int:
-    """Live CPU tensor bytes above ``baseline``, re-measured for a moment until they equal ``held``: gloo's
-    worker thread may hold a finished collective's tensor briefly."""
-    for _ in range(5):
-        measured = live_tensor_bytes() - baseline
-        if measured == held:
-            break
-        time.sleep(0.05)
-    return measured
+def grad_scaler_run(model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer],
+                    loss_of: Callable[[nn.Module, int], torch.Tensor], steps: int, **scaler: Any) -> dict:
+    """``torch.amp.GradScaler("cpu", **scaler)`` over the hand-built fp16 recipe of ``model`` in one process,
+    ``loss_of(low, step)`` the loss of each step: the scale after each step, whether it was skipped, and the
+    masters at the end."""
+    r = MasterRecipe(model, torch.float16, make_optimizer)
+    grad_scaler = torch.amp.GradScaler("cpu", **scaler)
+    scales, skipped = [], []
+    for step in range(steps):
+        grad_scaler.scale(loss_of(r.low, step)).backward()
+        r.grads_to_master()
+        skipped.append(r.step(grad_scaler))
+        scales.append(grad_scaler.get_scale())
+    return {"scales": scales, "skipped": skipped, "masters": r.flat()}
 
 
 class DelayedRecipe:

@@ -1,4 +1,4 @@
-"""Tiny models shared by the tests."""
+"""Tiny models shared by the tests, and their input batches."""
 
 from __future__ import annotations
 
@@ -38,9 +38,24 @@ class Net(nn.Module):
         return self.head(x).square().mean()
 
 
-def batch(step: int, rows: int = 6) -> torch.Tensor:
-    """A reproducible input batch (6 rows: divisible by world sizes 1, 2 and 3)."""
-    return torch.randn(rows, 6, generator=torch.Generator().manual_seed(step))
+class Blocks(nn.Module):
+    """``count`` Linear blocks in an nn.ModuleList (one stage-3 unit each) run in the order given per call (some
+    not at all, some twice), and a head (the root unit). Not seeded: seed before building."""
+
+    def __init__(self, count: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(count))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x).sum()
+
+
+def batch(step: int, rows: int = 6, width: int = 6) -> torch.Tensor:
+    """A reproducible input batch (6 rows: divisible by world sizes 1, 2 and 3; 6 wide: ``Net``'s input)."""
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(step))
 
 
 class Boom(torch.autograd.Function):
@@ -100,3 +115,24 @@ class DropoutNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x).square().mean()
+
+
+TINY_GPT2 = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=16)
+
+
+def tiny_hf(family: str, seed: int = 0, **config):
+    """A tiny Hugging Face GPT-2 (``family="gpt2"``) or Llama (``"llama"``) causal LM with random weights, built
+    from a config (``TINY_GPT2`` or ``TINY_LLAMA``, ``config`` replacing any of its fields) after
+    ``torch.manual_seed(seed)``."""
+    import transformers
+
+    if family == "gpt2":
+        cfg, build = transformers.GPT2Config(**{**TINY_GPT2, **config}), transformers.GPT2LMHeadModel
+    elif family == "llama":
+        cfg, build = transformers.LlamaConfig(**{**TINY_LLAMA, **config}), transformers.LlamaForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    return build(cfg)

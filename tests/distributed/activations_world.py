@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.readouts import flat_params
 from tests.toy import DropoutNet, batch
 from zero import ZeroOptimizer
 from zero.models import local_slice
@@ -24,8 +25,7 @@ def run(rank: int, world_size: int, stage: int, policy: dict | None) -> tuple[li
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with opt.gathered_parameters():
-        return losses, torch.cat([p.detach().flatten() for p in model.parameters()])
+    return losses, flat_params(model, opt)
 
 
 def activation_checks(rank: int, world_size: int) -> dict:

@@ -13,7 +13,10 @@ from pathlib import Path
 import torch
 
 import zero
-from tests.distributed.worlds import BUCKET_MB, CFG, GLOBAL_BATCH, build_model, flat_params, make_optimizer
+from tests.distributed.harness import global_mean
+from tests.distributed.worlds import BUCKET_MB, CFG, GLOBAL_BATCH, build_model, make_optimizer
+from tests.readouts import flat_params
+from tests.toy import tiny_hf
 from zero.models import local_slice, synthetic_batch
 
 FIRST, MORE = 6, 6  # steps before the save, and after it
@@ -21,11 +24,7 @@ MODELS = ("parity", "gpt2")
 
 
 def _gpt2(seed: int):
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=CFG.vocab_size, n_positions=16)
-    torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, so ranks and runs agree
+    model = tiny_hf("gpt2", seed, vocab_size=CFG.vocab_size).eval()  # eval: no dropout, so ranks and runs agree
     for name, p in model.named_parameters():
         p.requires_grad_(".h.0." not in name)
     return model
@@ -58,10 +57,7 @@ def train(kind: str, model, opt, scheduler, steps, rank: int, world_size: int) -
         opt.step()
         opt.zero_grad()
         scheduler.step()
-        total = loss.detach().clone()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(float(total) / world_size)
+        losses.append(global_mean(loss, world_size))
     return losses
 
 

@@ -15,13 +15,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from tests.distributed.estimate_world import estimated, measured
+from tests.distributed.harness import init_fake_world
+from tests.readouts import profiled_steps
+
 WORLD_SIZE = 64
 
 
 def main(seq_len: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
+    init_fake_world(WORLD_SIZE)
     import zero
     from zero.estimator import Workload, estimate
     from zero.models import GPT, GPTConfig, init_gpt_weights
@@ -37,21 +39,12 @@ def main(seq_len: int) -> None:
         lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), init_fn=init_gpt_weights,
     )
     (x,) = tokens(1)
-    with zero.profile(model, opt, every_op=False) as prof:
-        for _ in range(2):  # the second step has the optimizer state (the estimate's steady state)
-            model.loss(x, x).backward()
-            opt.step()
-            opt.zero_grad()
-    peak = prof.peak
+    prof = profiled_steps(model, opt, x, x, every_op=False)  # the second step has the optimizer state (the estimate's)
     print(json.dumps({
         "numel": opt.partition.numel,
         "seq_len": seq_len,
-        "measured": prof.allocator.peak_without_collectives - prof.samples[0].labels.get("other/alive on entry", 0),
-        "categories": {k: v for k, v in peak.categories.items() if v},
-        "where": f"{peak.phase} {peak.module} {peak.event}",
-        "estimated": e.peak,
-        "estimated_categories": {k: v for k, v in e.categories.items() if v},
-        "estimated_where": f"{e.phase} {e.module} {e.event}",
+        **measured(prof),
+        **estimated(e),
         "estimate_s": estimate_s,
         "run_s": time.perf_counter() - start - estimate_s,
     }))

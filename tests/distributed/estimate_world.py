@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
+from tests.distributed.harness import init_fake_world
 from zero.estimator import Workload, estimate
 from zero.models import GPT, GPTConfig
 
@@ -103,6 +104,24 @@ def key(name: str, stage: int, micro: int, variant: dict) -> str:
     return f"{name}/{stage}/{micro}" + "".join(f"/{k}={v}" for k, v in variant.items())
 
 
+def measured(prof) -> dict:
+    """The allocator's peak over what the process held on entry (collectives' own buffers left out), its breakdown
+    by category and where it fell."""
+    peak = prof.peak
+    return {
+        "measured": prof.allocator.peak_without_collectives - prof.samples[0].labels.get("other/alive on entry", 0),
+        "categories": {k: v for k, v in peak.categories.items() if v},
+        "where": f"{peak.phase} {peak.module} {peak.event}",
+    }
+
+
+def estimated(e) -> dict:
+    """The estimator's peak, its breakdown by category and where it falls (the keys of :func:`measured`, named
+    ``estimated...``)."""
+    return {"estimated": e.peak, "estimated_categories": {k: v for k, v in e.categories.items() if v},
+            "estimated_where": f"{e.phase} {e.module} {e.event}"}
+
+
 def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", checkpointing: bool = False,
             no_sync: bool = False, every_op: bool = False) -> dict:
     gc.collect()
@@ -119,21 +138,14 @@ def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", check
             loss_fn(model, *batch).backward()
             opt.step()
             opt.zero_grad()
-    peak = prof.peak
-    result = {
-        "measured": prof.allocator.peak_without_collectives - prof.samples[0].labels.get("other/alive on entry", 0),
-        "categories": {k: v for k, v in peak.categories.items() if v},
-        "where": f"{peak.phase} {peak.module} {peak.event}",
-    }
-    del prof, opt, model, peak
+    result = measured(prof)
+    del prof, opt, model
     gc.collect()
     return result
 
 
 def main(world_size: int, only: str = "") -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    init_fake_world(world_size)
     out = {}
     runs = [(name, micro, {}) for name in MODELS for micro in MICRO_BATCHES if name not in PARTIAL]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL]
@@ -148,9 +160,7 @@ def main(world_size: int, only: str = "") -> None:
         for stage in STAGES:
             run = measure(build, loss_fn, batch, stage, **variant)
             e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, **variant)
-            run.update(estimated=e.peak, estimated_categories={k: v for k, v in e.categories.items() if v},
-                       estimated_where=f"{e.phase} {e.module} {e.event}")
-            out[key(name, stage, micro, variant)] = run
+            out[key(name, stage, micro, variant)] = {**run, **estimated(e)}
     # sampled after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)
     for stage in STAGES if not only else ():
         build, loss_fn, make_batch = MODELS["gpt"]

@@ -15,13 +15,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from tests.distributed.harness import init_fake_world
+
 WORLD_SIZE = 64
 
 
 def main(param_dtype: str | None) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=WORLD_SIZE, store=FakeStore())
+    init_fake_world(WORLD_SIZE)
     import zero
     from zero.memory import live_tensor_bytes
     from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch

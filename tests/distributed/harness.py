@@ -1,9 +1,13 @@
-"""Spawn a real world of N processes with gloo on 127.0.0.1 and collect each rank's result."""
+"""Spawn a real world of N processes with gloo on 127.0.0.1 and collect each rank's result; run a module in a
+process of its own (as rank 0 of torch's fake process group) and read the JSON line it prints."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -15,9 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TEARDOWN_S = 10
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the working directory of the processes started here
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +80,7 @@ def run_world_outcomes(
     as one fails (they might otherwise wait for it in a collective)."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, _free_port(), outdir, args), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
@@ -98,3 +103,28 @@ def run_world_outcomes(
             torch.load(p, weights_only=False) if p.exists() else {"exitcode": proc.exitcode}
             for p, proc in zip(paths, ctx.processes)
         ]
+
+
+def global_mean(value: torch.Tensor, world_size: int) -> float:
+    """The mean over the ranks of a scalar each rank holds (no collective in a world of one)."""
+    total = value.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return float(total) / world_size
+
+
+def init_fake_world(world_size: int) -> None:
+    """Make this process rank 0 of a world of ``world_size`` in torch's fake process group: collectives return at
+    once and move nothing, so every byte the rank holds is real. (``dist.destroy_process_group()`` ends it.)"""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def run_module(module: str, *args: str, timeout: float) -> dict:
+    """``python -m module *args`` from the repository root; the JSON of the last line it prints. It must exit 0
+    (else the end of its stderr is the error) within ``timeout`` seconds."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

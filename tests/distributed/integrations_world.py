@@ -7,56 +7,64 @@ import os
 
 import torch
 
+from tests.toy import tiny_hf
+
 GLOBAL_ROWS, SEQ, VOCAB = 32, 16, 64
 STEPS = 4  # optimizer steps: 2 ranks x 2 rows x 2 micro-batches = 8 rows each
+# the Trainer's arguments in these tests and in lora_world's (each adds its steps and hyperparameters)
+TRAINER_SETTINGS = dict(
+    per_device_train_batch_size=2, gradient_accumulation_steps=2, lr_scheduler_type="linear", warmup_steps=1,
+    logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0, ddp_backend="gloo",
+    disable_tqdm=True, dataloader_num_workers=0)
 
 
-def _env(rank: int, world_size: int) -> None:
+def torchrun_env(rank: int, world_size: int) -> None:
     """What torchrun would set: Accelerate reads it (the process group already exists)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "ACCELERATE_USE_CPU": "true"})
 
 
 def gpt2(seed: int = 0):
-    import transformers
-
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_hf("gpt2", seed, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    """``rows`` random sequences of token ids (seeded), each its own labels."""
+
+    def __init__(self, rows: int = GLOBAL_ROWS, vocab: int = VOCAB, seq: int = SEQ) -> None:
+        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
-        return GLOBAL_ROWS
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def training_args(out: str, **over):
+    """``transformers.TrainingArguments`` writing to ``out``: ``TRAINER_SETTINGS`` and ``over``."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out, **{**TRAINER_SETTINGS, **over})
+
+
+def logs(trainer) -> dict:
+    """The loss and gradient norm the Trainer logged at each step."""
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    return {"loss": [r["loss"] for r in rows], "grad_norm": [float(r["grad_norm"]) for r in rows]}
+
+
 def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     """DDP Trainer, then ZeroTrainer at stages 0-3: per-step loss and grad norm; stage 2 and 3 resume from a
     checkpoint; the exported model of stage 3."""
-    _env(rank, world_size)
-    from transformers import Trainer, TrainingArguments
+    torchrun_env(rank, world_size)
+    from transformers import Trainer
 
     from zero import ZeroConfig
     from zero.integrations.transformers import ZeroTrainer
 
     def args(out: str, **over):
-        settings = dict(
-            output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
-            learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1,
-            logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, data_seed=0,
-            ddp_backend="gloo", disable_tqdm=True, dataloader_num_workers=0)
-        return TrainingArguments(**{**settings, **over})
-
-    def logs(trainer) -> dict:
-        rows = [r for r in trainer.state.log_history if "loss" in r]
-        return {"loss": [r["loss"] for r in rows], "grad_norm": [float(r["grad_norm"]) for r in rows]}
+        return training_args(out, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, **over)
 
     out = {}
     base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
@@ -89,7 +97,7 @@ def trainer_runs(rank: int, world_size: int, root: str) -> dict:
 def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
     """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at stages 0-3; then
     save_state / load_state through the helper's hooks."""
-    _env(rank, world_size)
+    torchrun_env(rank, world_size)
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 

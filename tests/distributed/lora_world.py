@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.toy import tiny_hf
+from zero.models import local_slice
+
 GLOBAL_ROWS, SEQ, VOCAB = 12, 16, 64  # 12 rows: 1, 2 or 3 ranks, each with 2 micro-batches when accumulating
 STEPS = 6
 NUM_BATCHES = 3  # batches are revisited, so the loss visibly falls
@@ -46,21 +49,14 @@ BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 def build(kind: str, seed: int = 0):
     """A tiny GPT-2 or Llama from a config with LoRA adapters of rank 4 (PEFT's defaults otherwise: A random,
     B zero, no dropout), in training mode. The same weights on every call with the same seed."""
-    import transformers
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(seed)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=INIT_STD)
-        base = transformers.GPT2LMHeadModel(config)  # lm_head tied to wte: frozen together
-    elif kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                          initializer_range=INIT_STD)
-        base = transformers.LlamaForCausalLM(config)
+    if kind == "gpt2":  # lm_head tied to wte: frozen together
+        base = tiny_hf("gpt2", seed, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                       initializer_range=INIT_STD)
     else:
-        raise ValueError(kind)
+        base = tiny_hf(kind, seed, vocab_size=VOCAB, max_position_embeddings=SEQ, num_key_value_heads=2,
+                       initializer_range=INIT_STD)
     lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS[kind],
                       fan_in_fan_out=kind == "gpt2")
     model = get_peft_model(base, lora)
@@ -71,11 +67,6 @@ def build(kind: str, seed: int = 0):
 def batch(step: int) -> torch.Tensor:
     """The global batch of token ids at ``step`` (labels are the ids: the model shifts them)."""
     return torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ), generator=torch.Generator().manual_seed(step % NUM_BATCHES))
-
-
-def share(ids: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    per = ids.shape[0] // world_size
-    return ids[rank * per : (rank + 1) * per]
 
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -135,7 +126,7 @@ def bf16_recipe(kind: str, rank: int = 0, world_size: int = 1, group=None) -> di
     forward = DistributedDataParallel(model, process_group=group) if group is not None else model
     losses = []
     for step in range(STEPS):
-        loss = loss_of(forward, batch(step) if group is None else share(batch(step), rank, world_size))
+        loss = loss_of(forward, batch(step) if group is None else local_slice(batch(step), rank, world_size))
         loss.backward()
         for m, p in zip(masters, low):
             m.grad = p.grad.float()
@@ -237,7 +228,7 @@ def run_case(rank: int, world_size: int, kind: str, case: Case, group) -> dict:
     opt = ZeroOptimizer(adamw(trainable(model)), model, **options)
     losses, norms = [], []
     for step in range(STEPS):
-        micro = share(batch(step), rank, world_size).chunk(case.accumulate)
+        micro = local_slice(batch(step), rank, world_size).chunk(case.accumulate)
         total = torch.zeros(())
         for i, ids in enumerate(micro):
             with opt.no_sync() if i < len(micro) - 1 else nullcontext():
@@ -280,42 +271,26 @@ TRAINER_BATCH = 2  # rows per rank per micro-batch, 2 micro-batches per step
 def trainer_run(rank: int, world_size: int, root: str, stage: int | None) -> dict:
     """``ZeroTrainer`` at ``stage`` (None: the plain Trainer, which wraps the model in DDP) on LoRA GPT-2, 2
     micro-batches per step: per-step loss and grad norm, and the adapters and frozen base after training."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    from tests.distributed.integrations_world import _env
+    from tests.distributed.integrations_world import Tokens, logs, torchrun_env, training_args
     from zero import ZeroConfig
     from zero.integrations.transformers import ZeroTrainer
 
-    _env(rank, world_size)
-    args = TrainingArguments(
-        output_dir=f"{root}/stage{stage}", per_device_train_batch_size=TRAINER_BATCH, gradient_accumulation_steps=2,
-        max_steps=STEPS, learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM,
-        lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=True, seed=0, data_seed=0, ddp_backend="gloo", disable_tqdm=True, dataloader_num_workers=0)
-    data = Tokens(STEPS * 2 * TRAINER_BATCH * world_size)
+    torchrun_env(rank, world_size)
+    args = training_args(f"{root}/stage{stage}", per_device_train_batch_size=TRAINER_BATCH, max_steps=STEPS,
+                         learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM)
+    data = Tokens(STEPS * 2 * TRAINER_BATCH * world_size, VOCAB, SEQ)
     if stage is None:
         trainer = Trainer(model=build("gpt2"), args=args, train_dataset=data)
     else:
         trainer = ZeroTrainer(model=build("gpt2"), args=args, train_dataset=data,
                               zero_config=ZeroConfig(stage=stage, timeout_s=TIMEOUT_S))
     trainer.train()
-    rows = [r for r in trainer.state.log_history if "loss" in r]
-    out = {"loss": [r["loss"] for r in rows], "grad_norm": [float(r["grad_norm"]) for r in rows],
-           "wrapped": type(trainer.model_wrapped).__name__}
+    out = {**logs(trainer), "wrapped": type(trainer.model_wrapped).__name__}
     with trainer.zero_optimizer.gathered_parameters() if stage is not None else nullcontext():
         out["adapters"], out["frozen"] = split_state(trainer.model)
     return out
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, rows: int) -> None:
-        self.ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 # ----- the world ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.precision_world import masters_of
+from tests.readouts import flat_params, master_weights
 from tests.recipes import DelayedRecipe
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
@@ -30,7 +30,7 @@ def run(rank: int, world_size: int, stage: int, offload: dict, precision: dict) 
         opt.clip_grad_norm_(0.1)
         opt.step()
         opt.zero_grad()
-    return masters_of(opt)
+    return master_weights(opt)
 
 
 def run_delayed(rank: int, world_size: int, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +53,7 @@ def run_delayed(rank: int, world_size: int, stage: int) -> tuple[torch.Tensor, t
         recipe.step()
     opt.flush()
     recipe.flush()
-    with opt.gathered_parameters():
-        got = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return got, torch.cat([p.detach().flatten() for p in reference.parameters()])
+    return flat_params(model, opt), flat_params(reference)
 
 
 def split_memory(rank: int, world_size: int, stage: int, what: str) -> dict:

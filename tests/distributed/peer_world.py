@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.readouts import flat_params
+from tests.toy import batch
 from zero import ZeroOptimizer
 
 GLOBAL_BATCH = 6
@@ -35,15 +37,11 @@ class TwoParts(nn.Module):
 
 
 def global_batch(step: int) -> torch.Tensor:
-    return torch.randn(GLOBAL_BATCH, 5, generator=torch.Generator().manual_seed(step))
+    return batch(step, GLOBAL_BATCH, width=5)
 
 
 def local_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
     return global_batch(step)[rank::world_size]
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
 def two_optimizers(rank: int, world_size: int, stages: tuple[int, int] | None, steps: int = 3) -> torch.Tensor:
@@ -60,10 +58,10 @@ def two_optimizers(rank: int, world_size: int, stages: tuple[int, int] | None, s
             opt.step()
             opt.zero_grad()
     if stages is None:
-        return flat(model)
+        return flat_params(model)
     for opt in opts:
         opt.close()
-    return flat(model)
+    return flat_params(model)
 
 
 def dropped_and_wrapped_again(rank: int, world_size: int, second: int | None) -> tuple[torch.Tensor, str]:
@@ -90,7 +88,7 @@ def dropped_and_wrapped_again(rank: int, world_size: int, second: int | None) ->
         opt.zero_grad()
     if second is not None:
         opt.close()
-    return flat(model), refusal
+    return flat_params(model), refusal
 
 
 def ddp_refusals(rank: int, world_size: int, stage: int) -> list[str]:

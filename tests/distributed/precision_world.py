@@ -13,11 +13,11 @@ from __future__ import annotations
 import gc
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.recipes import MasterRecipe, settled_live_bytes
+from tests.readouts import master_weights, settled_live_bytes
+from tests.recipes import MasterRecipe, grad_scaler_run
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
 from zero.memory import live_tensor_bytes
@@ -39,17 +39,6 @@ def _gpt() -> GPT:
 
 def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def masters_of(opt: ZeroOptimizer) -> torch.Tensor:
-    """Every rank's fp32 master pieces assembled into the whole model (in model order), on every rank."""
-    mine = [(p.slot.order, p.piece.param_start, p.tensor.detach().clone()) for b in opt.buckets for p in b.pieces]
-    everyone = [mine]
-    if dist.is_initialized() and opt.comm.world_size > 1:
-        everyone = [None] * opt.comm.world_size
-        dist.all_gather_object(everyone, mine)
-    pieces = sorted({(o, s): t for rank in everyone for o, s, t in rank}.items())
-    return torch.cat([t for _, t in pieces])
 
 
 def transients_freed(opt: ZeroOptimizer) -> bool:
@@ -83,7 +72,7 @@ def bf16_run(rank: int, world_size: int, stage: int, reduce_dtype: str | None) -
         opt.step()
         opt.zero_grad()
     return {
-        "masters": masters_of(opt),
+        "masters": master_weights(opt),
         "comm_stats": opt.comm_stats,
         "padded_numel": opt.partition.padded_numel,
         "transients_freed": transients_freed(opt),
@@ -107,15 +96,8 @@ def _fp16_loss(model: nn.Module, x: torch.Tensor, step: int, overflow: bool) -> 
 
 def grad_scaler_reference() -> dict:
     """One process, the whole batch, GradScaler over the hand-built fp16 recipe."""
-    r = MasterRecipe(Net(), torch.float16, _adamw)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    scales, skipped = [], []
-    for step in range(FP16_STEPS):
-        scaler.scale(_fp16_loss(r.low, batch(step).half(), step, overflow=True)).backward()
-        r.grads_to_master()
-        skipped.append(r.step(scaler))
-        scales.append(scaler.get_scale())
-    return {"scales": scales, "skipped": skipped, "masters": r.flat()}
+    loss_of = lambda low, step: _fp16_loss(low, batch(step).half(), step, overflow=True)  # noqa: E731
+    return grad_scaler_run(Net(), _adamw, loss_of, FP16_STEPS, init_scale=2.0**10, growth_interval=2)
 
 
 def fp16_overflows(rank: int, world_size: int, stage: int) -> dict:
@@ -126,12 +108,12 @@ def fp16_overflows(rank: int, world_size: int, stage: int) -> dict:
     for step in range(FP16_STEPS):
         x = local_slice(batch(step), rank, world_size)
         opt.backward(_fp16_loss(model, x, step, overflow=rank == world_size - 1))
-        before = masters_of(opt)
+        before = master_weights(opt)
         opt.step()
-        skipped.append(torch.equal(before, masters_of(opt)))
+        skipped.append(torch.equal(before, master_weights(opt)))
         scales.append(opt.loss_scaler.scale)
         opt.zero_grad()
-    return {"scales": scales, "skipped": skipped, "masters": masters_of(opt)}
+    return {"scales": scales, "skipped": skipped, "masters": master_weights(opt)}
 
 
 def mixed_memory(rank: int, world_size: int, stage: int, reduce_dtype: str) -> dict:

@@ -13,6 +13,7 @@ import gc
 import torch
 
 import zero
+from tests.readouts import forward_saved_bytes, profiled_steps
 from zero.estimator import Workload, estimate
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
@@ -26,20 +27,7 @@ def saved_tensor_bytes(micro_batch: int) -> int:
     """Bytes a plain forward saves for backward (distinct storages, parameters excluded)."""
     torch.manual_seed(0)
     model = GPT(BENCH)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    x, y = synthetic_batch(0, micro_batch, BENCH)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(x, y)
-    del loss
-    return sum(saved.values())
+    return forward_saved_bytes(model, *synthetic_batch(0, micro_batch, BENCH))
 
 
 def profiled_run(rank: int, world_size: int, stage: int, micro_batch: int, every_op: bool) -> dict:
@@ -49,11 +37,7 @@ def profiled_run(rank: int, world_size: int, stage: int, micro_batch: int, every
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage)
     x, y = synthetic_batch(0, micro_batch * world_size, BENCH)
     x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-    with zero.profile(model, opt, every_op=every_op) as prof:
-        for _ in range(2):
-            model.loss(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+    prof = profiled_steps(model, opt, x, y, every_op=every_op)
     peak, rest = prof.peak, [s for s in prof.samples if s.event == "optimizer step ends"][-1]
     result = {
         "allocator_peak": prof.allocator.peak,

@@ -16,6 +16,7 @@ import torch
 from tests.distributed.checkpoint_world import MODELS, killed_mid_save, resume_world, save_and_continue
 from tests.distributed.harness import run_world, run_world_outcomes
 from tests.distributed.worlds import build_model
+from tests.readouts import flat_params
 from zero import load_checkpoint
 from zero.checkpoint.files import Checkpoint
 
@@ -67,5 +68,5 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
         Checkpoint(tmp_path / "ckpt.partial")
     model = build_model(seed=1)
     load_checkpoint(path, model, progress=False)  # the earlier checkpoint, whole
-    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    got = flat_params(model)
     assert torch.equal(got, rank0["saved"])

@@ -8,36 +8,25 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tests.distributed.harness import run_world_outcomes
+from tests.toy import Blocks
 from zero import ZeroOptimizer
 
-
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))  # one unit each
-        self.head = nn.Linear(8, 1)  # the root unit
-
-    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
-        for i, block in enumerate(self.blocks):
-            if not (skip and i == 0):
-                x = torch.tanh(block(x))
-        return self.head(x).sum()
+BOTH, SKIP_FIRST = [0, 1], [1]  # Blocks(2)'s orders: every unit, or one fewer
 
 
 def _rank_one_skips_a_unit(rank: int, world_size: int, outdir: str) -> dict:
     warnings.showwarning = partial(_record, Path(outdir) / f"warnings{rank}.txt")  # survives an abort
     torch.manual_seed(0)
-    model = Blocks()
+    model = Blocks(2)
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, timeout_s=3)
-    model(torch.randn(4, 8), False).backward()  # the first step: every rank runs both blocks
+    model(torch.randn(4, 8), BOTH).backward()  # the first step: every rank runs both blocks
     opt.step()
     opt.zero_grad()
     start = time.monotonic()
     try:
-        model(torch.randn(4, 8), rank == 1).backward()
+        model(torch.randn(4, 8), SKIP_FIRST if rank == 1 else BOTH).backward()
         opt.step()
         error = "no error"
     except RuntimeError as err:
@@ -77,12 +66,12 @@ def _rank_one_skips_a_step(rank: int, world_size: int) -> dict[str, str]:
     errors = {}
     for name, precision in (("fp32", {}), ("bf16", {"param_dtype": "bf16"})):
         torch.manual_seed(0)
-        model = Blocks()
+        model = Blocks(2)
         opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=0, precision=precision)
         errors[name] = "no error"
         try:
             for step in range(3):
-                model(torch.randn(4, 8), False).backward()
+                model(torch.randn(4, 8), BOTH).backward()
                 if not (rank == 1 and step == 1):
                     opt.step()
                 opt.zero_grad()

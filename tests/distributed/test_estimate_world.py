@@ -17,27 +17,10 @@ estimate may fall up to 7% short; on a GPU cuBLAS keeps its workspace outside th
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.distributed.estimate_world import MICRO_BATCHES, MODELS, PARTIAL, STAGES, VARIANTS, key
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _start(module: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _result(proc: subprocess.Popen, timeout: float) -> dict:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+from tests.distributed.harness import run_module
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +30,7 @@ def worlds() -> dict[int, dict]:
 
 def _world(worlds: dict[int, dict], world_size: int) -> dict:
     if world_size not in worlds:
-        worlds[world_size] = _result(_start("tests.distributed.estimate_world", str(world_size)), timeout=900)
+        worlds[world_size] = run_module("tests.distributed.estimate_world", str(world_size), timeout=900)
     return worlds[world_size]
 
 
@@ -77,7 +60,7 @@ def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, worl
 @pytest.mark.slow
 def test_a_billion_parameter_gpt_on_64_ranks_at_two_sequence_lengths():
     for seq_len in (64, 512):
-        run = _result(_start("tests.distributed.estimate_scale", str(seq_len)), timeout=1200)
+        run = run_module("tests.distributed.estimate_scale", str(seq_len), timeout=1200)
         assert run["numel"] > 1_000_000_000
         assert 0.95 <= run["estimated"] / run["measured"] <= 1.05, run
         assert run["estimate_s"] < 60

@@ -6,17 +6,16 @@ import datetime
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.harness import run_world
+from tests.distributed.harness import ROOT, free_port, run_world
+from tests.toy import Blocks
 from zero import ZeroOptimizer
 from zero.comm import Communicator
 
@@ -47,23 +46,11 @@ def test_missing_rank_times_out_with_a_clear_error():
     assert "ranks took different paths" in text
 
 
-class TwoBlocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))  # stage 3: one unit each
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
-        for i in order:
-            x = torch.tanh(self.blocks[i](x))
-        return self.head(x).sum()
-
-
 def _swapped_units(rank: int, world_size: int) -> str:
     """Stage 3 with ranks that run the same units in different orders (same sizes, so the
     forward gathers pair up without complaint)."""
     torch.manual_seed(0)
-    model = TwoBlocks()
+    model = Blocks(2)  # stage 3: one unit each
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3, timeout_s=3)
     start = time.monotonic()
     try:
@@ -119,11 +106,8 @@ def _frozen_peer_rank(rank: int, port: int) -> None:
 def test_timeout_on_a_frozen_peer_lets_the_process_exit(tmp_path):
     """A frozen peer (stopped, not dead, so no connection closes) must not keep the survivor in
     process-group teardown until gloo's own 60 s timeout: under torchrun that is a hung job."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("WORLD_SIZE", None)
     code = f"import sys, tests.distributed.test_failures as t; t._frozen_peer_rank(int(sys.argv[1]), {port})"
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
@@ -132,7 +116,7 @@ def test_timeout_on_a_frozen_peer_lets_the_process_exit(tmp_path):
         for rank, log in enumerate(logs):
             with open(log, "w") as out:
                 command = [sys.executable, "-c", code, str(rank)]
-                procs.append(subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
         try:
             returncode = procs[0].wait(timeout=25)
         except subprocess.TimeoutExpired:

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.distributed.harness import run_module
 from zero import zero_model_state_bytes
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.distributed.fake_scale", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module("tests.distributed.fake_scale", *args, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.worlds import SCENARIOS, STAGES, STEPS
+from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, build_model
+from tests.readouts import flat_params, max_diff
 from zero import zero_model_state_bytes
 
 LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
 NORM_RTOL = 1e-6
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 @pytest.mark.parametrize("kind,scenario", SCENARIOS, ids=lambda x: x)
@@ -43,7 +40,7 @@ def test_stages_train_like_single_process(world, kind, scenario):
         for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
             assert a == pytest.approx(b, rel=LOSS_RTOL), f"{mode} loss at step {step}"
         if kind == "sgd":
-            diff = _max_diff(ours["params"], ref["params"])
+            diff = max_diff(ours["params"], ref["params"])
             assert diff <= SGD_ATOL, f"{mode}: params differ by {diff}"
         else:  # compare with DDP's own noise (see the module docstring)
             diff = float((ours["params"] - ref["params"]).norm())
@@ -62,11 +59,9 @@ def test_training_actually_moves_the_parameters(world):
     """Guards the parity test against comparing two runs that both did nothing."""
     _, results = world
     runs = results[0]["runs"]
-    from tests.distributed.worlds import build_model, flat_params
-
     initial = flat_params(build_model())
     for key, run in runs.items():
-        assert _max_diff(run["params"], initial) > 1e-3, key
+        assert max_diff(run["params"], initial) > 1e-3, key
         assert run["losses"][-1] < run["losses"][0], key
 
 

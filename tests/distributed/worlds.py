@@ -11,16 +11,16 @@ import gc
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.activations_world import activation_checks
+from tests.distributed.harness import global_mean
 from tests.distributed.offload_world import offload_checks
 from tests.distributed.precision_world import precision_checks
 from tests.distributed.profile_world import profile_checks
-from tests.recipes import settled_live_bytes
-from tests.toy import CheckpointedNet, batch
+from tests.readouts import flat_params, max_diff, settled_live_bytes
+from tests.toy import CheckpointedNet, batch, tiny_hf
 from zero import ZeroOptimizer, init_sharded
 from zero.memory import live_tensor_bytes, storage_bytes
 from zero.models import GPT, GPTConfig, init_gpt_weights, local_slice, synthetic_batch
@@ -91,12 +91,6 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return cls(param_groups(model, kwargs["lr"]), **kwargs)
 
 
-def flat_params(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> torch.Tensor:
-    """Every parameter, whole (gathered first when ``opt`` is a ZeroOptimizer)."""
-    with opt.gathered_parameters() if isinstance(opt, ZeroOptimizer) else nullcontext():
-        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-
-
 def edit(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     """Scale one LayerNorm weight on rank 0; ZeroOptimizer shares the edit from rank 0."""
     zero = isinstance(opt, ZeroOptimizer)
@@ -146,9 +140,7 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
             norms.append(float(clip(0.5)))
         opt.step()
         zero_grad(scenario, step, model, opt)
-        if world_size > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / world_size)
+        losses.append(global_mean(total, world_size))
     out = {"losses": losses, "norms": norms, "params": flat_params(model, opt)}
     if scenario == "finetune" and isinstance(opt, ZeroOptimizer):
         with opt.gathered_parameters(model):  # the frozen GPT is not in the optimizer: still gathered
@@ -258,29 +250,19 @@ def resume_matches(rank: int, world_size: int, stage: int) -> float:
         model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     run(model2, opt2, range(3, 6))
-    return float((flat_params(model, opt) - flat_params(model2, opt2)).abs().max())
+    return max_diff(flat_params(model, opt), flat_params(model2, opt2))
 
 
 def hf_parity(rank: int, world_size: int, stage: int, family: str) -> dict | None:
     """Hugging Face GPT-2 or Llama (random weights, built from a config): ||params - single process||_2
     for ZeroOptimizer and for DDP (the noise floor), after a few AdamW steps."""
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return None
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-        build = transformers.GPT2LMHeadModel
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=16,
-        )
-        build = transformers.LlamaForCausalLM
 
     def run(mode: str) -> torch.Tensor:
-        torch.manual_seed(0)
-        model = build(config).eval()  # eval: dropout off, so ranks and reference agree
+        model = tiny_hf(family, seed=0).eval()  # eval: dropout off, so ranks and reference agree
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         forward = model
         if mode == "ddp":
@@ -308,7 +290,7 @@ def meta_init_matches(rank: int, world_size: int) -> float:
     model, opt = init_sharded(
         lambda: GPT(CFG), lambda m: torch.optim.AdamW(m.parameters()), init_fn=init_gpt_weights
     )
-    return float((flat_params(model, opt) - normal).abs().max())
+    return max_diff(flat_params(model, opt), normal)
 
 
 def inference_matches(rank: int, world_size: int) -> dict:
@@ -321,7 +303,7 @@ def inference_matches(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         got = model(x, y, True)
     gathered = sum(b.param_buffer.is_allocated for b in opt.buckets)
-    return {"max_diff": float((got - expected).abs().max()), "gathered_after": gathered}
+    return {"max_diff": max_diff(got, expected), "gathered_after": gathered}
 
 
 def compiled_stage3_matches(rank: int, world_size: int) -> float:
@@ -339,7 +321,7 @@ def compiled_stage3_matches(rank: int, world_size: int) -> float:
             opt.zero_grad()
         return flat_params(model, opt)
 
-    return float((run(True) - run(False)).abs().max())
+    return max_diff(run(True), run(False))
 
 
 def toy_paths(rank: int, world_size: int) -> dict:
@@ -368,7 +350,7 @@ def toy_paths(rank: int, world_size: int) -> dict:
     for case in ("reentrant", "interrupted"):
         ref = run(case, None)
         for stage in STAGES:
-            out[(case, stage)] = float((run(case, stage) - ref).abs().max())
+            out[(case, stage)] = max_diff(run(case, stage), ref)
     return out
 
 

@@ -1,9 +1,12 @@
-"""The CUDA tests' training loop: a GPT on synthetic batches, through ``ZeroOptimizer``'s own backward and clip."""
+"""The CUDA tests' model and training loop: a GPT on synthetic batches, through ``ZeroOptimizer``'s own backward
+and clip."""
 
 from __future__ import annotations
 
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
 
 
 def train(model: GPT, opt: ZeroOptimizer, cfg: GPTConfig, steps, clip: float | None = None) -> list[float]:

@@ -7,12 +7,10 @@ import pytest
 import torch
 
 import zero
-from tests.gpu.common import train
-from zero.models import GPT, GPTConfig
+from tests.gpu.common import CFG, train
+from zero.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
 
 
 def _build(stage: int, seed: int, **overrides):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zero
+from tests.readouts import profiled_steps
 from zero.estimator import estimate, trace
 from zero.models import GPT, GPTConfig, synthetic_batch
 
@@ -27,11 +28,7 @@ def test_cuda_breakdown_reconciles_and_estimate_is_within_five_percent(nccl_worl
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), model, stage=stage)
     x, y = (t.cuda() for t in synthetic_batch(0, MICRO_BATCH, CFG))
     torch.cuda.synchronize()
-    with zero.profile(model, opt) as prof:
-        for _ in range(2):
-            model.loss(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+    prof = profiled_steps(model, opt, x, y)
     torch.cuda.synchronize()
     assert max(abs(s.unexplained) for s in prof.samples) <= 0.01 * prof.allocator.peak
     unrelated = prof.samples[0].labels.get("other/alive on entry", 0)  # e.g. the batch

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import train
+from tests.gpu.common import CFG, train
+from tests.readouts import master_weights
 from zero import ZeroOptimizer
-from zero.models import GPT, GPTConfig
+from zero.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
 
 
 def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
@@ -28,8 +27,7 @@ def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
     train(model, opt, CFG, range(4), clip=1.0)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    pieces = sorted((p for b in opt.buckets for p in b.pieces), key=lambda p: p.slot.order)
-    return torch.cat([p.tensor.detach().cpu() for p in pieces]), held
+    return master_weights(opt).cpu(), held
 
 
 @pytest.mark.parametrize("stage,what", [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")])

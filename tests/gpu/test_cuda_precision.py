@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.common import CFG
+from tests.readouts import master_weights
 from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
 from zero.estimator.estimator import model_states
-from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.models import GPT, synthetic_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-CFG = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
 
 
 def _recipe(steps: int) -> torch.Tensor:
@@ -47,8 +47,7 @@ def test_cuda_bf16_matches_the_recipe_and_the_formula(nccl_world_of_one, stage, 
     del x, y
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    pieces = sorted((p for b in opt.buckets for p in b.pieces), key=lambda p: p.slot.order)
-    masters = torch.cat([p.tensor.detach() for p in pieces])
+    masters = master_weights(opt)
     torch.testing.assert_close(masters, expected, rtol=0, atol=1e-6)  # at one rank: the recipe's numbers
     formula = model_states(opt.partition.padded_numel, 1, stage, "mixed").total
     assert held == pytest.approx(formula, rel=0.01), f"allocated {held}, formula {formula}"

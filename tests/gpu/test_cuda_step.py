@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import train
+from tests.gpu.common import CFG, train
 from zero import ZeroOptimizer
 from zero.kernels.reference import adamw_reference
-from zero.models import GPT, GPTConfig
+from zero.models import GPT
 from zero.runtime.stepper import triton_available
 
 pytestmark = [
@@ -38,14 +38,13 @@ def test_triton_kernel_matches_the_reference_on_cuda():
 
 
 def test_zero_uses_triton_on_cuda_and_matches_torch(nccl_world_of_one):
-    cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=128, num_layers=4, num_heads=4)
     masters = {}
     for kernel in ("auto", "torch"):
         torch.manual_seed(0)
-        model = GPT(cfg).cuda()
+        model = GPT(CFG).cuda()
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=2, step_kernel=kernel,
                             precision={"param_dtype": "bf16"})
         assert bool(opt._stepper.triton) == (kernel == "auto")
-        train(model, opt, cfg, range(3), clip=1.0)
+        train(model, opt, CFG, range(3), clip=1.0)
         masters[kernel] = torch.cat(opt.state_dict()["master"])
     torch.testing.assert_close(masters["auto"], masters["torch"], rtol=1e-4, atol=1e-5)  # bf16 forward may round apart

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zero
-from tests.checkpoints import METADATA, Tiny, rewrite_metadata, same, step, tiny, weights
+from tests.checkpoints import CHECKSUM, METADATA, PART, Tiny, rewrite_metadata, same, saved_tiny, tiny, weights
 from zero.cli.main import main as cli
 
-CHECKPOINT_FILES = [METADATA, "metadata.json.sha256", "part-00000-of-00001.safetensors"]
+CHECKPOINT_FILES = [METADATA, CHECKSUM, PART]
 EXTRA = {"epoch": 1, "rng": torch.arange(5, dtype=torch.int16)}
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -42,9 +42,7 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fuzz")
-    model, opt = tiny()
-    step(model, opt)
-    zero.save_checkpoint(root / "ckpt", model, opt, extra=EXTRA, progress=False)
+    model, opt = saved_tiny(root / "ckpt", extra=EXTRA)
     zero.consolidate(root / "ckpt", root / "model.safetensors", progress=False)
     zero.consolidate(root / "ckpt", root / "sharded", max_shard_size="1KB", progress=False)
     return {"root": root, "weights": weights(model, opt), "state": opt.inner.state_dict(),

@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 import zero
+from tests.readouts import flat_params
 from tests.toy import DropoutNet, batch
 from zero import ActivationCheckpointing, ZeroConfig, ZeroOptimizer, blocks_within_budget, checkpoint_activations
 from zero.activations import chosen_blocks, saved_activation_bytes
@@ -34,8 +35,7 @@ def train(stage: int, policy: dict | None) -> tuple[list[float], torch.Tensor, Z
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with opt.gathered_parameters():
-        return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), opt, calls
+    return losses, flat_params(model, opt), opt, calls
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

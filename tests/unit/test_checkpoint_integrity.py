@@ -19,18 +19,26 @@ import pytest
 import torch
 
 import zero
-from tests.checkpoints import CHECKSUM, METADATA, loaded, rewrite_header, rewrite_metadata, same, step, tiny, weights
+from tests.checkpoints import (
+    CHECKSUM,
+    METADATA,
+    PART,
+    loaded,
+    rewrite_header,
+    rewrite_metadata,
+    same,
+    saved_tiny,
+    step,
+    tiny,
+    weights,
+)
 from zero.cli.main import main as cli
-
-PART = "part-00000-of-00001.safetensors"
 
 
 @pytest.fixture
 def saved(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
     """A checkpoint of a trained ``Tiny`` and its weights."""
-    model, opt = tiny()
-    step(model, opt)
-    zero.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"epoch": 1, "rng": torch.arange(3)}, progress=False)
+    model, opt = saved_tiny(tmp_path / "ckpt", extra={"epoch": 1, "rng": torch.arange(3)})
     return tmp_path / "ckpt", weights(model, opt)
 
 
@@ -317,6 +325,17 @@ def crash_at(monkeypatch, k: int, error: type[BaseException] = Crash, only: tupl
         yield done
 
 
+def save_crashing_at(monkeypatch, k: int, path: Path, model, opt) -> bool:
+    """Save ``model`` and ``opt`` to ``path`` with a crash at the ``k``-th file-system change (``crash_at``):
+    whether the save finished before it."""
+    with crash_at(monkeypatch, k):
+        try:
+            zero.save_checkpoint(path, model, opt, progress=False)
+        except Crash:
+            return False
+    return True
+
+
 def state_after_crash(root: Path, k: int, monkeypatch, link: bool) -> tuple[Path, dict, dict, bool]:
     """A checkpoint ``A`` at ``root/ckpt`` (a symlink to ``root/target`` with ``link``), then a save of ``B`` over
     it stopped at the ``k``-th change. Returns the path, A's and B's weights, and whether the save finished."""
@@ -329,14 +348,7 @@ def state_after_crash(root: Path, k: int, monkeypatch, link: bool) -> tuple[Path
     a = weights(model, opt)
     step(model, opt, seed=1)
     b = weights(model, opt)
-    finished = False
-    with crash_at(monkeypatch, k):
-        try:
-            zero.save_checkpoint(path, model, opt, progress=False)
-            finished = True
-        except Crash:
-            pass
-    return path, a, b, finished
+    return path, a, b, save_crashing_at(monkeypatch, k, path, model, opt)
 
 
 def leftovers(root: Path) -> list[str]:
@@ -375,12 +387,7 @@ def test_a_crash_in_the_first_save_leaves_nothing_or_the_complete_save(tmp_path,
     for k in range(100):
         path = tmp_path / f"k{k}" / "ckpt"
         model, opt = tiny()
-        with crash_at(monkeypatch, k):
-            try:
-                zero.save_checkpoint(path, model, opt, progress=False)
-                finished = True
-            except Crash:
-                finished = False
+        finished = save_crashing_at(monkeypatch, k, path, model, opt)
         try:
             outcomes.append("B" if same(loaded(path), weights(model, opt)) else "?")
         except ValueError as err:
@@ -417,12 +424,7 @@ def test_a_second_crash_after_a_crash_between_the_renames_loses_nothing(tmp_path
         path, _, b, _ = state_after_crash(root, between, monkeypatch, link=False)
         model, opt = tiny(seed=4)
         c = weights(model, opt)
-        with crash_at(monkeypatch, k):
-            try:
-                zero.save_checkpoint(path, model, opt, progress=False)
-                finished = True
-            except Crash:
-                finished = False
+        finished = save_crashing_at(monkeypatch, k, path, model, opt)
         got = loaded(path)
         assert same(got, b) or same(got, c), k
         if finished:

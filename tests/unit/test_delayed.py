@@ -8,6 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tests.readouts import flat_params
 from tests.recipes import DelayedRecipe
 from tests.toy import Net, batch
 from zero import ZeroConfig, ZeroOptimizer
@@ -39,8 +40,7 @@ def train_zero(stage: int, delayed: bool, edit_at: int | None = None) -> tuple[t
             with torch.no_grad():
                 model.head.bias.add_(1.0)  # in place, outside gathered_parameters()
     opt.flush()
-    with opt.gathered_parameters():
-        return torch.cat([p.detach().flatten() for p in model.parameters()]), opt
+    return flat_params(model, opt), opt
 
 
 def train_recipe() -> torch.Tensor:
@@ -54,7 +54,7 @@ def train_recipe() -> torch.Tensor:
         recipe.step()
         schedule.step()
     recipe.flush()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    return flat_params(model)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

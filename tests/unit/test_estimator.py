@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero
+from tests.readouts import forward_saved_bytes
 from zero import zero_model_state_bytes
 from zero.cli.main import build_parser
 from zero.cli.main import main as cli_main
@@ -27,22 +28,6 @@ TINY_GPT = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2
 
 def _gpt_loss(model, x, y):
     return model.loss(x, y)
-
-
-def _saved_bytes_of_a_real_forward(model, x, y) -> int:
-    """Bytes autograd saves for backward in a real forward (parameters excluded, storages counted once)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.loss(x, y)
-    return sum(saved.values())
 
 
 def test_model_states_match_the_zero_paper():
@@ -60,7 +45,7 @@ def test_fp32_model_states_match_the_optimizer_formula(stage):
 def test_fake_trace_counts_exactly_what_a_real_forward_saves(batch):
     x, y = synthetic_batch(0, batch, SMALL)
     torch.manual_seed(0)
-    real = _saved_bytes_of_a_real_forward(GPT(SMALL), x, y)
+    real = forward_saved_bytes(GPT(SMALL), x, y)
     traced = trace(lambda: GPT(SMALL), _gpt_loss, (x, y))
     assert traced.activation_bytes == real
     assert traced.numel == sum(p.numel() for p in GPT(SMALL).parameters())

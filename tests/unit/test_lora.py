@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tests.distributed.harness import run_world
+from tests.toy import batch
 from zero import ZeroOptimizer
 
 D, R, BLOCKS, STEPS, MAX_NORM = 16, 4, 3, 6, 0.5
@@ -47,10 +48,6 @@ class AdaptedNet(nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def _batch(step: int) -> torch.Tensor:
-    return torch.randn(8, D, generator=torch.Generator().manual_seed(step))
-
-
 def train(stage: int | None, **options) -> dict:
     """``STEPS`` AdamW steps with clipping: plain PyTorch (``stage=None``) or ZeroOptimizer; the losses, norms and
     every parameter afterwards, and the parameters before."""
@@ -63,7 +60,7 @@ def train(stage: int | None, **options) -> dict:
         opt = ZeroOptimizer(opt, model, stage=stage, **options)
     losses, norms = [], []
     for step in range(STEPS):
-        loss = model(_batch(step))
+        loss = model(batch(step, rows=8, width=D))
         loss.backward()
         if stage is None:
             norms.append(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM).item())

@@ -8,6 +8,7 @@ import torch
 from pydantic import ValidationError
 
 import zero.offload
+from tests.readouts import flat_params
 from tests.toy import Net, batch
 from zero import ZeroConfig, ZeroOptimizer
 
@@ -31,8 +32,7 @@ def train(
         opt.clip_grad_norm_(0.1)
         opt.step()
         opt.zero_grad()
-    with opt.gathered_parameters():
-        return torch.cat([p.detach().float().flatten() for p in model.parameters()]), opt
+    return flat_params(model, opt).float(), opt
 
 
 CASES = [(s, "optimizer") for s in (1, 2, 3)] + [(3, "params")]

@@ -8,16 +8,12 @@ import datetime
 import pytest
 import torch
 
+from tests.readouts import flat_params
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
 from zero.comm import Handle
 
 STAGES = (0, 1, 2, 3)
-
-
-def _params(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
-    with opt.gathered_parameters() if isinstance(opt, ZeroOptimizer) else torch.no_grad():
-        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
 def _with_skipped_steps(stage: int | None, clear: str = "opt") -> tuple[torch.Tensor, list[float], list[float]]:
@@ -40,7 +36,7 @@ def _with_skipped_steps(stage: int | None, clear: str = "opt") -> tuple[torch.Te
         opt.step()
         scheduler.step()
         lrs.append(opt.param_groups[0]["lr"])
-    return _params(model, opt), lrs, norms
+    return flat_params(model, opt), lrs, norms
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -82,7 +78,7 @@ def _train_with_kwargs_and_closure(stage: int | None) -> tuple[torch.Tensor, lis
             return loss
 
         losses.append(opt.step(closure, lr_scale=0.5 * (step + 1)).item())
-    return _params(model, opt), losses
+    return flat_params(model, opt), losses
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -132,7 +128,7 @@ def _train_dict_blocks(**zero_config) -> torch.Tensor:
         model(batch(step)).backward()
         opt.step()
         opt.zero_grad()
-    return _params(model, opt)
+    return flat_params(model, opt)
 
 
 @pytest.mark.parametrize("plan", [{}, {"unit_size_mb": 1e-4}], ids=["default", "by_size"])
@@ -259,7 +255,7 @@ def _rewrapped(first: int | None, second: int | None, close: bool) -> torch.Tens
         if close and stage is not None:
             opt.close()
         del opt
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    return flat_params(model)
 
 
 @pytest.mark.parametrize("stage", STAGES)

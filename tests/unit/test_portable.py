@@ -18,7 +18,8 @@ from torch import nn
 
 import zero
 from tests.checkpoints import rewrite_metadata
-from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, flat_params, make_optimizer
+from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, make_optimizer
+from tests.readouts import flat_params
 from zero.checkpoint import tree
 from zero.checkpoint.consolidate import shard_size_bytes
 from zero.checkpoint.files import METADATA, Checkpoint

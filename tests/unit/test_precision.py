@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.recipes import MasterRecipe
+from tests.readouts import flat_params, master_weights
+from tests.recipes import MasterRecipe, grad_scaler_run
 from tests.toy import Net, batch
 from zero import MixedPrecision, ZeroConfig, ZeroOptimizer, init_sharded
 from zero.models import GPT, GPTConfig, init_gpt_weights
@@ -41,12 +42,6 @@ def reference(dtype: torch.dtype, clip: float | None = None, steps: int = STEPS,
     return r.flat()
 
 
-def master_weights(opt: ZeroOptimizer) -> torch.Tensor:
-    """This rank's master pieces in model order (all of them at world size 1)."""
-    pieces = sorted((p for b in opt.partition.trainable_buckets for p in b.pieces), key=lambda p: p.slot.order)
-    return torch.cat([p.tensor.detach() for p in pieces])
-
-
 def train(stage: int, precision: dict, clip: float | None = None,
           steps: int = STEPS) -> tuple[nn.Module, ZeroOptimizer]:
     model = Net()
@@ -65,13 +60,13 @@ def train(stage: int, precision: dict, clip: float | None = None,
 @pytest.mark.parametrize("clip", [None, 0.1], ids=["noclip", "clip"])
 def test_bf16_is_bit_identical_to_the_hand_built_recipe(stage, reduce_dtype, clip):
     expected = reference(torch.bfloat16, clip)
-    assert (expected - torch.cat([p.detach().flatten() for p in Net().parameters()])).abs().max() > 1e-2  # it trains
+    assert (expected - flat_params(Net())).abs().max() > 1e-2  # it trains
     model, opt = train(stage, {"param_dtype": "bf16", "reduce_dtype": reduce_dtype}, clip)
     assert torch.equal(master_weights(opt), expected)
     with opt.gathered_parameters():
         for p in model.parameters():
             assert p.dtype == torch.bfloat16
-        whole = torch.cat([p.detach().flatten() for p in model.parameters()])
+        whole = flat_params(model)
     assert torch.equal(whole, expected.to(torch.bfloat16))  # the parameters are the master cast down
 
 
@@ -90,8 +85,7 @@ def test_autocast_with_fp32_parameters_is_exact(stage):
             loss.backward()
             opt.step()
             opt.zero_grad()
-        with opt.gathered_parameters() if zero_stage is not None else torch.no_grad():
-            return torch.cat([p.detach().flatten() for p in model.parameters()])
+        return flat_params(model, opt)
 
     assert torch.equal(run(stage), run(None))
 
@@ -140,14 +134,9 @@ def test_fp16_loss_scaling_skips_and_scales_like_grad_scaler(stage):
         loss = model(batch(step).to(dtype), step % 2 == 1)
         return loss * 1e30 if step in overflow_steps else loss  # inf in fp16
 
-    r = MasterRecipe(Net(), torch.float16, _adamw)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    ref_scales, ref_skipped = [], []
-    for step in range(steps):
-        scaler.scale(loss_of(r.low, step, torch.float16)).backward()
-        r.grads_to_master()
-        ref_skipped.append(r.step(scaler))
-        ref_scales.append(scaler.get_scale())
+    ref = grad_scaler_run(Net(), _adamw, lambda low, step: loss_of(low, step, torch.float16), steps,
+                          init_scale=2.0**10, growth_interval=2)
+    ref_scales, ref_skipped = ref["scales"], ref["skipped"]
     assert ref_skipped == [s in overflow_steps for s in range(steps)]
     assert len(set(ref_scales)) > 2  # it backed off and grew
 
@@ -163,7 +152,7 @@ def test_fp16_loss_scaling_skips_and_scales_like_grad_scaler(stage):
         zopt.zero_grad()
     assert skipped == ref_skipped
     assert scales == ref_scales
-    assert torch.equal(master_weights(zopt), r.flat())
+    assert torch.equal(master_weights(zopt), ref["masters"])
 
 
 def test_fp16_refuses_an_unscaled_backward_and_a_collapsed_scale():
@@ -311,14 +300,13 @@ def test_meta_init_makes_fp32_masters_equal_to_a_normal_build():
     """Built on meta under bf16: each parameter is initialized in fp32 (its master), then cast."""
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
     torch.manual_seed(1234)
-    normal = torch.cat([p.detach().flatten() for p in GPT(cfg).parameters()])
+    normal = flat_params(GPT(cfg))
     torch.manual_seed(1234)
     model, opt = init_sharded(
         lambda: GPT(cfg), lambda m: _adamw(m.parameters()), init_fn=init_gpt_weights, precision={"param_dtype": "bf16"}
     )
     assert torch.equal(master_weights(opt), normal)
-    with opt.gathered_parameters():
-        assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), normal.bfloat16())
+    assert torch.equal(flat_params(model, opt), normal.bfloat16())
 
 
 @pytest.mark.parametrize("stage", STAGES)

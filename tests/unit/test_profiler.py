@@ -12,19 +12,14 @@ import pytest
 import torch
 
 import zero
+from tests.readouts import profiled_steps
 from zero.models import GPT, GPTConfig, synthetic_batch
 
 TINY = GPTConfig(vocab_size=128, seq_len=16, d_model=32, num_layers=2, num_heads=2)
 
 
 def _train(model, opt, steps=2, **kw):
-    x, y = synthetic_batch(0, 4, TINY)
-    with zero.profile(model, opt, **kw) as prof:
-        for _ in range(steps):
-            model.loss(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof
+    return profiled_steps(model, opt, *synthetic_batch(0, 4, TINY), steps=steps, **kw)
 
 
 @pytest.mark.parametrize("stage", [None, 0, 1, 2, 3])

@@ -11,6 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zero
+from tests.readouts import flat_params
+from tests.toy import Blocks
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
 from zero.runtime.gatherer import UnitState
@@ -28,25 +30,6 @@ class CheckpointedGPT(GPT):
         return self.head(self.ln_f(x))
 
 
-class Blocks(nn.Module):
-    """Runs its blocks in the order given per call: some not at all, some twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
-        for i in order:
-            x = torch.tanh(self.blocks[i](x))
-        return self.head(x).sum()
-
-
-def _flat(model, opt=None):
-    with opt.gathered_parameters() if opt is not None else torch.no_grad():
-        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-
-
 def _train(build, run_step, stage3: bool, steps: int = 4, **overrides):
     torch.manual_seed(0)
     model = build()
@@ -60,7 +43,7 @@ def _train(build, run_step, stage3: bool, steps: int = 4, **overrides):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, _flat(model, opt if stage3 else None)
+    return losses, flat_params(model, opt)
 
 
 def _gpt_step(model, step):
@@ -239,7 +222,7 @@ def test_meta_batchnorm_without_affine_is_initialized():
     torch.manual_seed(3)
     model, opt = zero.init_sharded(build, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     assert torch.equal(model[1].running_var, normal[1].running_var)
-    assert torch.equal(_flat(model, opt), _flat(normal))
+    assert torch.equal(flat_params(model, opt), flat_params(normal))
 
 
 def test_guard_details():

@@ -14,16 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.readouts import flat_params
 from tests.toy import CheckpointedNet, Net, batch
 from zero import ZeroOptimizer
 
 STAGES = (0, 1, 2, 3)
-
-
-def params(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
-    with opt.gathered_parameters() if isinstance(opt, ZeroOptimizer) else torch.no_grad():
-        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-
 
 def run(stage: int | None, clear, steps: int = 6, passes: int = 1) -> torch.Tensor:
     """Train with SGD (momentum, weight decay); ``clear(model, opt, step)`` after each step."""
@@ -36,7 +31,7 @@ def run(stage: int | None, clear, steps: int = 6, passes: int = 1) -> torch.Tens
             (model(batch(step), use_aux=step % 2 == 1) / passes).backward()
         opt.step()
         clear(model, opt, step)
-    return params(model, opt)
+    return flat_params(model, opt)
 
 
 def clear_like_trainer(model, opt, step):
@@ -111,7 +106,7 @@ def test_replacing_a_gradient_at_stage_0_is_used():
         m.head.weight.grad = m.head.weight.grad * 3
     opt.step()
     plain_opt.step()
-    assert torch.equal(params(model, opt), params(plain, plain_opt))
+    assert torch.equal(flat_params(model, opt), flat_params(plain, plain_opt))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -219,7 +214,7 @@ def _compiled_run(how: str) -> tuple[list[float], torch.Tensor]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, params(model, opt)
+    return losses, flat_params(model, opt)
 
 
 @pytest.mark.parametrize("how", ["model", "blocks"])
@@ -246,7 +241,7 @@ def train_like(stage, build, body, steps=4):
         body(model, opt, step)
         opt.step()
         opt.zero_grad()
-    return params(model, opt)
+    return flat_params(model, opt)
 
 
 def same_as_pytorch(stage, build, body):
@@ -331,7 +326,7 @@ def test_a_gradient_hook_registered_after_wrapping_sees_the_gradient_first(stage
             m(batch(step)).backward()
             o.step()
             o.zero_grad()
-    torch.testing.assert_close(params(model, opt), params(plain, plain_opt), rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat_params(model, opt), flat_params(plain, plain_opt), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
