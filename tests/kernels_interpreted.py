@@ -57,9 +57,9 @@ def train(stage: int, kernel: str) -> tuple[torch.nn.Module, ZeroOptimizer]:
 def inside_the_optimizer() -> None:
     for stage in (1, 3):
         model, opt = train(stage, "triton")
-        assert opt._stepper.triton, "the Triton step was not used"
+        assert opt.runtime.stepper.triton, "the Triton step was not used"
         ref_model, ref_opt = train(stage, "torch")
-        assert not ref_opt._stepper.triton
+        assert not ref_opt.runtime.stepper.triton
         for got, want in zip(opt.state_dict()["master"], ref_opt.state_dict()["master"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         pieces = [(g, w) for a, b in zip(opt.param_groups, ref_opt.param_groups)

@@ -44,7 +44,7 @@ def test_zero_uses_triton_on_cuda_and_matches_torch(nccl_world_of_one):
         model = GPT(CFG).cuda()
         opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=2, step_kernel=kernel,
                             precision={"param_dtype": "bf16"})
-        assert bool(opt._stepper.triton) == (kernel == "auto")
+        assert bool(opt.runtime.stepper.triton) == (kernel == "auto")
         train(model, opt, CFG, range(3), clip=1.0)
         masters[kernel] = torch.cat(opt.state_dict()["master"])
     torch.testing.assert_close(masters["auto"], masters["torch"], rtol=1e-4, atol=1e-5)  # bf16 forward may round apart

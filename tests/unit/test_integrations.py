@@ -44,8 +44,8 @@ def test_trainer_wraps_the_trainers_optimizer_with_its_groups(tmp_path):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]  # the Trainer's decay groups
     assert all(g["lr"] == 3e-3 for g in opt.param_groups)
     with model.no_sync():  # Accelerate's accumulation calls it: no reduction inside
-        assert not opt._reducer.sync_enabled
-    assert opt._reducer.sync_enabled
+        assert not opt.runtime.reducer.sync_enabled
+    assert opt.runtime.reducer.sync_enabled
     copy = pickle.loads(pickle.dumps(model.no_sync))  # torch.save(model) still works
     with copy():
         pass

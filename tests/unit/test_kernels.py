@@ -48,7 +48,7 @@ def test_step_kernel_choices():
     """'auto' on the CPU is torch's step; 'triton' where it cannot apply says why."""
     model = Net()
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=1, precision={"param_dtype": "bf16"})
-    assert not opt._stepper.triton
+    assert not opt.runtime.stepper.triton
     bf16, host = {"precision": {"param_dtype": "bf16"}}, {"optimizer": "cpu"}
     cases = [
         (torch.optim.SGD, bf16, "Adam and AdamW only"),

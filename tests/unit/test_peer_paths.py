@@ -189,7 +189,7 @@ def test_bf16_micro_batches_accumulate_in_the_fp32_reduce_dtype(stage):
     for step in range(4):
         with opt.no_sync() if step < 3 else torch.enable_grad():
             model(batch(step), use_aux=True).backward()
-    got = torch.cat([g.flatten() for g in opt._master_grads()])
+    got = torch.cat([g.flatten() for g in opt.runtime.master_grads()])
     assert torch.allclose(got, torch.cat([t.flatten() for t in expected]), rtol=1e-6, atol=1e-7)
 
 

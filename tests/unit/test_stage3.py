@@ -76,7 +76,7 @@ def _gathered_while_blocks_run(prefetch: int) -> tuple[list[int], list[UnitState
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3, prefetch_units=prefetch)
-    units = opt._gatherer.units
+    units = opt.runtime.gatherer.units
     block1 = next(u for u in units if u.name == "blocks.1")
     counts, next_state = [], []
 
@@ -355,10 +355,10 @@ def test_backward_reading_a_released_unit_raises_instead_of_reading_stale_memory
     torch.manual_seed(0)
     model = Adapted()
     opt = ZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), model, stage=3)
-    unit = next(u for u in opt._gatherer.units if u.name == "blocks.1")
+    unit = next(u for u in opt.runtime.gatherer.units if u.name == "blocks.1")
 
     def release_early(grad: torch.Tensor) -> None:  # as a bug in the release schedule would
-        opt._gatherer.reshard(unit)
+        opt.runtime.gatherer.reshard(unit)
 
     def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         out.register_hook(release_early)  # runs before backward reads base.weight for the input gradient

@@ -1,31 +1,21 @@
-"""``Bucket``: one layout bound to its parameters, flat buffers and local optimizer pieces.
+"""``Bucket``: one layout bound to its parameters, the flat buffers its plan lists, and local optimizer pieces.
 
-A bucket owns (sizes in elements; ``P`` = padded bucket size, ``C = P / num_shards``; the
-buffers' dtypes and aliases are the roles of ``zero.precision``'s Note):
+The buffers are built once, from the bucket's plan (``zero.runtime.plan``: its table says which exist at
+each stage and precision, their sizes, dtypes and where they live), each on its placement; the stage then
+only moves them between states (``zero.runtime.flat_buffer``). The attributes, by role:
 
-* ``params``        the model parameters packed in it; their ``.data`` are views of ``param_buffer``
-* ``param_buffer``  FlatBuffer(P, compute): the full parameters (stages 0-2 keep them whole; stage 3
-                     only while its unit is gathered)
-* ``shard_buffer``  FlatBuffer(C, compute), stage 3 only: this rank's persistent chunk of the
-                     parameters, the all-gather's source
-* ``master_buffer`` FlatBuffer(C, master), mixed precision only: the fp32 master chunk the optimizer
-                     steps (without it, the optimizer steps ``shard`` itself)
-* ``grad_buffer``   FlatBuffer(P, compute), stages 0-1: persistent local gradients (``p.grad`` views)
-* ``staging``       FlatBuffer(P, reduce): what the gradient collective reduces; ``grad_buffer`` itself
-                     when the dtypes agree at stages 0-1, else transient
-* ``grad_shard``    (C, reduce) this rank's reduced, averaged gradient chunk (``grad_shard_buffer``
-                     when it is not a view of ``staging``)
-* ``grad_carry``    FlatBuffer(C), stage 1 only: reduced gradients set aside while another backward
-                     pass adds to them before ``step()`` (allocated only then)
-* ``master_grad``   FlatBuffer(C, master), when the gradient shard's dtype is not the master's: the
-                     optimizer's gradients, made at the step (or clip) and released after it
-* ``pieces``        1D views of ``master``, one per parameter overlapping the chunk; these are
-                     the tensors the wrapped ``torch.optim`` optimizer sees
+* ``param_buffer`` (params), ``shard_buffer`` (shard, stage 3), ``master_buffer`` (master, or ``None``: the
+  optimizer steps ``shard`` itself), ``grad_buffer`` (grads, stages 0-1), ``staging`` (staging: the gradient
+  buffer itself when the reduction is in place), ``grad_shard_buffer`` (grad_shard, when staged; else
+  ``grad_shard`` is this rank's chunk of the gradient buffer), ``grad_carry`` (stage 1 in place),
+  ``master_grad`` (the optimizer's own gradients);
+* ``slots``: the model parameters packed in it, whose ``.data`` are views of ``param_buffer``;
+* ``pieces``: 1D views of ``master``, one per parameter overlapping this rank's chunk: the tensors the wrapped
+  ``torch.optim`` optimizer sees.
 
-A *frozen* bucket (stage 3: parameters with ``requires_grad=False``, sharded and gathered
-with their unit like the others) has no gradient buffers, no master and no pieces.
-
-Per backward pass it also tracks which parameters have handed in their gradient.
+A *frozen* bucket (stage 3: parameters with ``requires_grad=False``, sharded and gathered with their unit like
+the others) has no gradient buffers, no master and no pieces. Per backward pass a bucket also tracks which
+parameters have handed in their gradient.
 """
 
 from __future__ import annotations
