@@ -4,6 +4,7 @@ process: each was a failure on main once (issue 23)."""
 from __future__ import annotations
 
 import datetime
+import gc
 
 import pytest
 import torch
@@ -265,6 +266,21 @@ def test_a_model_is_given_back_whole_and_can_be_wrapped_again(stage, close):
     reference = _rewrapped(None, None, close)
     for second in (None, stage, 3 if stage != 3 else 0):
         assert torch.equal(_rewrapped(stage, second, close), reference), second
+
+
+def test_a_stage3_optimizer_dropped_in_the_middle_of_a_step_gives_the_model_back_whole():
+    """Dropped after a forward, with the root unit still gathered (it is kept until the step): the model is given
+    back whole (world of one) with the values of its shards, and trains plainly afterwards."""
+    model, reference = Net(), Net()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=3)
+    loss = model(batch(0))
+    del opt, loss
+    gc.collect()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    model(batch(1)).backward()
+    assert all(p.grad is not None for p in model.blocks.parameters())
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -15,6 +15,7 @@ from zero.runtime.flat_buffer import BufferState, FlatBuffer
 from zero.runtime.layout import plan_buckets
 from zero.runtime.placement import DevicePlacement, HostPlacement, Placements, Where
 from zero.runtime.plan import Role, plan_bucket
+from zero.runtime.reduction_order import ReductionOrder
 from zero.runtime.stages import make_stage
 
 CPU = torch.device("cpu")
@@ -151,3 +152,23 @@ def test_a_recording_placement_for_the_optimizer_side_trains_the_same_numbers(st
                if spec.side in ("optimizer", "shard") and spec.view_of is None]
     assert recording.created[-len(planned):] == planned
     assert recording.releases > 0 and recording.restores > 0  # transient buffers (gradient shard) came and went
+
+
+def test_the_reduction_order_launches_complete_buckets_in_order_with_a_bounded_number_in_flight():
+    """The one order the reducer runs and the estimator replays: a later bucket complete before an earlier one
+    waits for it; launching beyond ``max_in_flight`` completes the oldest first; the end launches the rest."""
+    order = ReductionOrder(["a", "b", "c", "d"], max_in_flight=2)
+    complete = {"b"}
+    assert list(order.ready(lambda x: x in complete)) == []  # "a" is not in: nothing may overtake it
+    complete |= {"a", "c"}
+    events = []
+    for bucket in order.ready(lambda x: x in complete):
+        if order.full:
+            events.append(("complete", order.oldest()[0]))
+            order.completed()
+        order.launched(bucket, f"handle-{bucket}")
+        events.append(("launch", bucket))
+    assert events == [("launch", "a"), ("launch", "b"), ("complete", "a"), ("launch", "c")]
+    assert list(order.rest()) == ["d"] and [b for b, _ in order.in_flight] == ["b", "c"]
+    with pytest.raises(AssertionError, match="no reduction outstanding"):
+        order.restart()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zero.estimator.timeline import Point, Timeline
+from zero.runtime.reduction_order import ReductionOrder
 
 
 @dataclass(frozen=True)
@@ -104,53 +105,45 @@ class _Reduction:
     grad_bytes: dict[str, int]
     arrived: set[str] = field(default_factory=set)
     released: int = 0  # bytes of autograd gradients copied into staging and dropped
-    next: int = 0  # next bucket to launch
-    in_flight: list[BucketBytes] = field(default_factory=list)
     shards: int = 0  # gradient shards kept on the device
-    launchable: int = 0  # buckets whose gradients are all in (launched at the next gradient's arrival)
-    trainable: list[BucketBytes] = field(default_factory=list)
+    order: ReductionOrder[BucketBytes] = field(init=False)  # the reducer's own order (zero.runtime.reduction_order)
 
     def __post_init__(self) -> None:
-        self.trainable = [b for b in self.layout.buckets if b.params]
+        self.order = ReductionOrder([b for b in self.layout.buckets if b.params], self.options.max_in_flight)
 
     @property
     def staging(self) -> int:
-        return sum(b.staging for b in self.in_flight)
+        return sum(b.staging for b, _ in self.order.in_flight)
 
     def arrive(self, name: str) -> None:
         self.arrived.add(name)
-        buckets = self.trainable
-        while self.launchable < len(buckets) and all(p in self.arrived for p in buckets[self.launchable].params):
-            self.launchable += 1
 
     def launch_ready(self, on_peak: Callable[[], None]) -> None:
         """Launch every complete bucket in order; ``on_peak()`` is called at each transient moment."""
-        while self.next < self.launchable:
-            self._launch(self.trainable[self.next], on_peak)
-            self.next += 1
+        for bucket in self.order.ready(lambda b: all(p in self.arrived for p in b.params)):
+            self._launch(bucket, on_peak)
 
     def end(self, on_peak: Callable[[], None]) -> None:
         """The end of backward: launch what is left (gradients that never came count as zeros), complete all."""
-        while self.next < len(self.trainable):
-            self._launch(self.trainable[self.next], on_peak)
-            self.next += 1
-        while self.in_flight:
+        for bucket in self.order.rest():
+            self._launch(bucket, on_peak)
+        while self.order.in_flight:
             self._complete(on_peak)
 
     def _launch(self, bucket: BucketBytes, on_peak: Callable[[], None]) -> None:
-        if len(self.in_flight) >= self.options.max_in_flight:
+        if self.order.full:
             self._complete(on_peak)
-        self.in_flight.append(bucket)
+        self.order.launched(bucket)
         on_peak()  # staging allocated and filled while the bucket's gradients still exist
         if self.layout.stage >= 2:
             self.released += sum(self.grad_bytes.get(p, 0) for p in bucket.params)
 
     def _complete(self, on_peak: Callable[[], None]) -> None:
-        bucket = self.in_flight[0]
+        bucket, _ = self.order.oldest()
         if not self.options.offload:
             self.shards += bucket.grad_shard
             on_peak()  # the chunk is kept (a new shard) before the staging buffer goes
-        self.in_flight.pop(0)
+        self.order.completed()
 
 
 @dataclass

@@ -110,6 +110,13 @@ class FlatBuffer:
             self.placement.release(self._tensor)
             self.state = BufferState.RELEASED
 
+    def abandon(self) -> None:
+        """Any state -> RELEASED, for a buffer whose owner was dropped mid-use (a stage-3 unit still gathered, or
+        its gather never waited on, when its optimizer was garbage-collected)."""
+        if self.state is not BufferState.RELEASED:
+            self.placement.release(self._tensor)
+            self.state = BufferState.RELEASED
+
     def disown(self) -> None:
         """Leave the current storage, and every view of it, to whoever still holds them, and start
         over with a new, released storage (views must be made again)."""

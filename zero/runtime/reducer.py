@@ -49,17 +49,17 @@ collectives are drained and everything else is refused until the gradients are c
 from __future__ import annotations
 
 import enum
-from collections import deque
 from typing import Callable
 
 import torch
 
-from zero.comm import Communicator, Handle
+from zero.comm import Communicator
 from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.gatherer import ParamGatherer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.no_gatherer import NoGatherer
+from zero.runtime.reduction_order import ReductionOrder
 from zero.runtime.stages.stage0 import Stage0
 from zero.weak import weak_hook
 
@@ -98,7 +98,6 @@ class GradReducer:
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
         self.stage = stage
         self.comm = comm
-        self.max_in_flight = max_in_flight
         self.gatherer = gatherer  # stage 3: its fingerprint of this step's gathers is compared across ranks
         self.check = check  # run as each pass starts (the model still uses the managed parameters)
         self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
@@ -108,8 +107,7 @@ class GradReducer:
         self._pass = BackwardPass()
         self._reopened = False  # this pass reopened reduced gradients (stage.reopen)
         self._pending: list[ParamSlot] = []  # ready, not yet handed to the stage
-        self._next = 0  # index of the next bucket to launch
-        self._in_flight: deque[tuple[Bucket, Handle]] = deque()
+        self._order: ReductionOrder[Bucket] = ReductionOrder(buckets, max_in_flight)  # launch order, in flight
         self.hooks = []
         for i, slot in enumerate(self.slots):
             self.hooks.append(slot.param.register_hook(weak_hook(self._before_grad, i)))
@@ -213,14 +211,14 @@ class GradReducer:
             self.stage.stage_grad(slot.bucket, slot)
             slot.bucket.num_ready += 1
         self._pending.clear()
-        while self._next < len(self.buckets) and self.buckets[self._next].is_ready:
-            self._launch(self.buckets[self._next])
+        for bucket in self._order.ready(lambda b: b.is_ready):
+            self._launch(bucket)
 
     def _open_round(self) -> None:
         self._to(GradState.REDUCING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
         for bucket in self.buckets:
             bucket.start_round()
-        self._next = 0
+        self._order.restart()
 
     def _end_pass(self) -> None:
         """Autograd finished the pass: finish its reduction round, if it had one; publish ``p.grad``."""
@@ -245,24 +243,24 @@ class GradReducer:
     # ----- collectives -----------------------------------------------------------------------------------
 
     def _launch(self, bucket: Bucket) -> None:
-        if len(self._in_flight) >= self.max_in_flight:
+        if self._order.full:
             self._complete_oldest()
         grads = self.stage.collect(bucket)
         self.scaler.observe(grads)
         handle = self.stage.launch_reduce(bucket, self.comm)
         bucket.staging.start_collective()
-        self._in_flight.append((bucket, handle))
-        self._next += 1
+        self._order.launched(bucket, handle)
 
     def _complete_oldest(self) -> None:
-        bucket, handle = self._in_flight.popleft()
+        bucket, handle = self._order.oldest()
+        self._order.completed()
         handle.wait()
         bucket.staging.end_collective()
         self.stage.finish_reduce(bucket)
 
     def _finish_round(self) -> None:
         """End of a synchronized pass: launch what is left, agree on used parameters, drain."""
-        for bucket in self.buckets[self._next :]:
+        for bucket in self._order.rest():
             for slot in bucket.slots:
                 if not slot.ready:
                     self.stage.stage_grad(bucket, slot)
@@ -274,7 +272,7 @@ class GradReducer:
         flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         flags = torch.cat([flags, self.scaler.local_flags(self.comm.device)])  # last: overflow (fp16 only)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
-        while self._in_flight:
+        while self._order.in_flight:
             self._complete_oldest()
         agreed = flags.tolist()
         self.scaler.agree(agreed)
@@ -307,7 +305,7 @@ class GradReducer:
             return
         self._pass.forget()
         self._pending.clear()
-        while self._in_flight:
+        while self._order.in_flight:
             self._complete_oldest()
         self.state = GradState.INTERRUPTED
 

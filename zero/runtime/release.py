@@ -64,7 +64,10 @@ class ModelRelease:
         self.hooks.clear()
 
     def unshard_all(self) -> None:
-        """Gather every sharded bucket and turn each of its parameters into a whole ``nn.Parameter``."""
+        """Gather every sharded bucket and turn each of its parameters into a whole ``nn.Parameter`` (a unit still
+        gathered when its optimizer was dropped is gathered again: its shards are what counts)."""
+        for bucket in self.sharded:
+            bucket.param_buffer.abandon()
         handles = [self.stage.unshard(bucket, self.comm) for bucket in self.sharded]
         for bucket, handle in zip(self.sharded, handles):
             handle.wait()
