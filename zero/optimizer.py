@@ -21,7 +21,7 @@ from zero.runtime.materialize import InitFn
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Shard an optimizer's state (stage 1) and gradients (stage 2) over data-parallel ranks.
+    """Shard an optimizer's state (stage 1), gradients (stage 2) and parameters (stage 3) over data-parallel ranks.
 
     Example::
 
@@ -57,6 +57,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             are applied on top of it.
         process_group: the data-parallel group; defaults to the default group if one is
             initialized, else runs as world size 1.
+        init_fn, device: for a model built on ``meta`` (stage 3; see :func:`init_sharded`).
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         watch_for_drop(self, runtime)
 
     @property
-    def buckets(self) -> list[Bucket]:
+    def buckets(self) -> list[Bucket]:  # (this rank's)
         return self.partition.buckets
 
     @property
@@ -162,10 +163,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if "runtime" in self.__dict__:
-            raise NotImplementedError(
-                "ZeroOptimizer cannot add parameter groups after construction; add the group to the "
-                "optimizer before wrapping it"
-            )
+            raise NotImplementedError("ZeroOptimizer cannot add parameter groups after construction; add the group "
+                                      "to the optimizer before wrapping it")
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:

@@ -181,8 +181,8 @@ class Workload:
             buckets=priced,
             frozen=sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed),
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-            staged=stage_policy.staged,
-            grad_buffer=sum(b.plan.nbytes(Role.GRADS) for b in partition.buckets),
+            staged=partition.plan.policy.staged,
+            grad_buffer=sum(plan.nbytes(Role.GRADS) for plan in partition.plan.buckets),
             units=tuple(u.name for u in partition.units),
         )
 

@@ -113,15 +113,6 @@ class StagePlan:
     shard_index: int
     buckets: tuple[BucketPlan, ...]
 
-    def bytes_by_where(self, *, resident_only: bool = True) -> dict[Where, int]:
-        """Bytes of the planned buffers per kind of memory (resident ones only, by default)."""
-        totals = {where: 0 for where in Where}
-        for bucket in self.buckets:
-            for spec in bucket.buffers:
-                if spec.resident or not resident_only:
-                    totals[spec.where] += spec.nbytes
-        return totals
-
 
 def plan_bucket(
     policy: StagePolicy, layout: BucketLayout, dtypes: BufferDtypes, trainable: bool, placements: Placements
