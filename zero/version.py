@@ -1,3 +1,3 @@
-"""The package's version (``zero.__version__``; pyproject.toml's ``version`` is the same)."""
+"""The package's version: the one place it is written (``zero.__version__``; pyproject.toml reads it)."""
 
 __version__ = "0.2.0"

@@ -4,6 +4,7 @@ line with exit code 2, memory sizes, runnable estimates, and clean output."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -63,9 +64,13 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out == f"zero {zero.__version__}\n"
 
 
-def test_pyproject_version_is_the_package_version():
-    project = (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1]
-    assert re.search(r'^version = "([^"]+)"', project, re.MULTILINE).group(1) == zero.__version__
+def test_the_version_is_written_in_one_place():
+    """pyproject.toml reads the version from zero/version.py, and the installed distribution reports it."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "zero.version.__version__"' in pyproject
+    assert not re.search(r'^version = "', pyproject.split("[project]", 1)[1].split("[", 1)[0], re.MULTILINE)
+    assert importlib.metadata.version("zero-dp") == zero.__version__
+    assert (ROOT / "zero" / "py.typed").exists()
 
 
 # ----- 2. help on every option ---------------------------------------------------------------------------
