@@ -1,5 +1,10 @@
 """One run against every peer: step time, peak memory, model state, traffic and exposed communication.
 
+This docstring, after this paragraph, is the method (in Markdown): ``benchmarks/render_results.py`` renders it
+with the figures of ``--json`` into docs/benchmarks.md and the README's table, which a test keeps in step. To
+refresh the published figures: ``--json benchmarks/results/compare.json`` (every contender, default options),
+then ``python benchmarks/render_results.py --write``.
+
 Every contender trains its own copy of the same GPT (same seed, same batches, AdamW):
 
 * ``ddp``                    ``DistributedDataParallel`` (the baseline every ratio is to)
@@ -57,9 +62,11 @@ import argparse
 import copy
 import ctypes
 import gc
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -423,6 +430,21 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 # ----- main -------------------------------------------------------------------------------------------------
 
 
+def run_record(args: argparse.Namespace) -> dict:
+    """The machine and options of this run, for the JSON (docs/benchmarks.md states them)."""
+    if DEVICE.type == "cuda":
+        device = torch.cuda.get_device_name(DEVICE)
+    else:
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")] \
+            if os.path.exists("/proc/cpuinfo") else []
+        device = names[0] if names else (platform.processor() or platform.machine())
+    ds = importlib.util.find_spec("deepspeed")
+    return {"device": device, "cpu_count": os.cpu_count(), "backend": dist.get_backend(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "deepspeed": importlib.metadata.version("deepspeed") if ds is not None else None,
+            **{k: getattr(args, k) for k in ("steps", "warmup", "batch", "threads", "only")}}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
@@ -502,8 +524,8 @@ def main() -> None:
     checks = time_checks(rows)
     log("\n" + table(rows) + "\n\n" + checks_table(checks))
     if rank == 0 and args.json:
-        json.dump({"world": world, "params": numel, "config": vars(cfg), "rows": rows, "checks": checks,
-                   "times_ms": times_ms}, open(args.json, "w"), indent=2)
+        json.dump({"world": world, "params": numel, "config": vars(cfg), "run": run_record(args), "rows": rows,
+                   "checks": checks, "times_ms": times_ms}, open(args.json, "w"), indent=2)
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"GPT {numel / 1e6:.1f}M params, world size {world}: ratios to DDP")
     dist.destroy_process_group()
