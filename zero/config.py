@@ -197,6 +197,17 @@ class ZeroConfig(BaseModel):
         return max(1, int(self.bucket_size_mb * 2**20))
 
     @classmethod
+    def from_deepspeed(cls, source: Any, ignore: Any = (), **overrides: Any) -> Any:
+        """Translate a DeepSpeed config (a dict, or the path of its JSON file) key by key, refusing by name each key
+        it cannot honour. Returns a :class:`zero.deepspeed_config.DeepSpeedConfig` that unpacks as
+        ``config, training``: the ``ZeroConfig``, and ``{"gradient_clipping", "gradient_accumulation_steps"}`` for
+        the training loop to apply (``opt.clip_grad_norm_``, ``opt.no_sync()``). See ``zero.deepspeed_config`` and
+        docs/migration.md for what maps, what is ignored and why, and what is refused."""
+        from zero.deepspeed_config import from_deepspeed
+
+        return from_deepspeed(source, ignore=ignore, **overrides)
+
+    @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "ZeroConfig":
         """Load a ``.json``, ``.yaml`` or ``.yml`` file; keyword ``overrides`` win over the file."""
         path = Path(path)

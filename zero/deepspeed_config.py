@@ -1,0 +1,372 @@
+"""``ZeroConfig.from_deepspeed``: a DeepSpeed JSON config translated to a :class:`zero.ZeroConfig`, key by key.
+
+Every key of the DeepSpeed config meets one of four fates, and none is dropped unseen:
+
+* **mapped** to a ``ZeroConfig`` field, or to the ``training`` settings returned beside it (below);
+* **ignored, with a reason**: keys that change no number of the training run in ``zero`` (logging, batch
+  sizes the data loader owns, communication-scheduling knobs that ``zero``'s design fixes); each one found
+  is listed in :attr:`DeepSpeedConfig.ignored` with its reason;
+* **accepted at a neutral value only**: features ``zero`` lacks (ZeRO++, MiCS, static loss scaling, ...)
+  pass when switched off (their DeepSpeed default) and are refused otherwise;
+* **refused** with a ``ValueError`` naming the key path (``zero_optimization.offload_param.device='nvme'``)
+  and the fix; any key not in these tables is refused as unknown. Keys the caller handles itself (typically
+  ``optimizer`` and ``scheduler``: ``zero`` wraps a ``torch.optim`` optimizer you build) can be passed in
+  ``ignore=`` to skip them on purpose.
+
+**Training settings.** ``ZeroConfig`` holds no clipping or accumulation (they are calls, not settings), so
+``from_deepspeed`` returns a :class:`DeepSpeedConfig` that unpacks as ``config, training``; ``training`` is
+``{"gradient_clipping": float | None, "gradient_accumulation_steps": int}``, which the training loop applies:
+``opt.clip_grad_norm_(gradient_clipping)`` before each ``opt.step()`` (when not ``None``), and the first
+``gradient_accumulation_steps - 1`` micro-batches of each step inside ``with opt.no_sync():``, each loss
+divided by ``gradient_accumulation_steps`` (DeepSpeed's engine divides it the same way).
+
+**Defaults.** A key the config omits takes DeepSpeed's default where ``zero`` has the same knob (stage 0, no
+mixed precision, no offload; fp16 loss scaling starting at 2**16, growing every 1000 clean steps, down to
+1; no input casting without ``fp16.auto_cast``; gradients reduced in the training dtype without
+``communication_data_type``). Bucket sizes take ``zero``'s default (25 MiB) when absent or ``"auto"``:
+DeepSpeed's 5e8 elements would make one bucket of most models and end the overlap with backward; the
+bucket size changes no number. One behaviour differs: DeepSpeed's fp16 ``hysteresis`` (default 2) skips an
+overflowing step without lowering the scale once before it backs off; ``zero`` (as ``torch.amp.GradScaler``)
+backs off on every overflow, i.e. ``hysteresis=1``, and an explicit ``hysteresis`` other than 1 is refused.
+
+**"auto"** (as Hugging Face's integration writes it, to be filled from ``TrainingArguments``): taken as
+``zero``'s default for keys that change no number (bucket sizes and the ignored keys); refused for every
+other key (stage, precision, clipping, accumulation, loss scaling), because guessing those changes the run:
+write the value, or let the Trainer integration resolve it first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+if TYPE_CHECKING:  # zero.config imports this module lazily, in ZeroConfig.from_deepspeed
+    from zero.config import ZeroConfig
+
+ZO = "zero_optimization"
+AUTO = "auto"
+_PERF = "communication scheduling: zero always {}; it changes no number"
+_S3 = ("DeepSpeed's stage-3 gathering/persistence knob, counted in elements; zero gathers unit by unit "
+       "(unit_classes or unit_size_mb, prefetch_units, reshard_after_forward); it changes no number")
+_NVME = "only used with device 'nvme', which zero does not support"
+
+# key path -> why it changes nothing in zero (any value accepted, "auto" included)
+IGNORED: dict[str, str] = {
+    "train_batch_size": "the batch is the data loader's; zero averages gradients over ranks whatever its size",
+    "train_micro_batch_size_per_gpu": "the batch is the data loader's; zero averages gradients over ranks",
+    "steps_per_print": "logging only",
+    "wall_clock_breakdown": "logging only (zero.profile measures the step's phases)",
+    "memory_breakdown": "logging only (opt.named_memory() lists zero's buffers)",
+    "dump_state": "logging only",
+    "zero_allow_untested_optimizer": "zero wraps any elementwise torch.optim optimizer",
+    "zero_force_ds_cpu_optimizer": "zero steps offloaded state with the torch optimizer you pass (use fused=True)",
+    "tensorboard": "monitoring only", "wandb": "monitoring only", "csv_monitor": "monitoring only",
+    "comet": "monitoring only", "comms_logger": "monitoring only (opt.comm_stats counts zero's traffic)",
+    "flops_profiler": "monitoring only (zero.profile)",
+    f"{ZO}.overlap_comm": _PERF.format("overlaps bucket reductions with backward (max_in_flight_buckets)"),
+    f"{ZO}.contiguous_gradients": _PERF.format("keeps gradients in flat bucket buffers"),
+    f"{ZO}.reduce_scatter": _PERF.format("reduce-scatters its buckets"),
+    f"{ZO}.allgather_partitions": _PERF.format("all-gathers updated shards"),
+    f"{ZO}.round_robin_gradients": _PERF.format("copies each reduced chunk to the host as it completes"),
+    f"{ZO}.use_multi_rank_bucket_allreduce": _PERF.format("reduce-scatters its buckets"),
+    f"{ZO}.ignore_unused_parameters": "zero skips parameters with no gradient on any rank, as PyTorch does",
+    f"{ZO}.log_trace_cache_warnings": "logging only",
+    f"{ZO}.sub_group_size": "DeepSpeed's optimizer-step granularity; zero steps bucket by bucket",
+    f"{ZO}.stage3_gather_16bit_weights_on_model_save": "saving is zero.save_checkpoint / consolidate's",
+    f"{ZO}.gather_16bit_weights_on_model_save": "saving is zero.save_checkpoint / consolidate's",
+    f"{ZO}.offload_optimizer.pin_memory": "zero pins host buffers whenever the model is on a GPU",
+    f"{ZO}.offload_param.pin_memory": "zero pins host buffers whenever the model is on a GPU",
+    f"{ZO}.offload_optimizer.nvme_path": _NVME, f"{ZO}.offload_optimizer.buffer_count": _NVME,
+    f"{ZO}.offload_optimizer.fast_init": _NVME, f"{ZO}.offload_param.nvme_path": _NVME,
+    f"{ZO}.offload_param.buffer_count": _NVME, f"{ZO}.offload_param.buffer_size": _NVME,
+    f"{ZO}.offload_param.max_in_cpu": _NVME,
+    "bf16.immediate_grad_update": "DeepSpeed's bf16 optimizer scheduling; it changes no number",
+    "bf16.check_grad_overflow": "zero does not check bf16 gradients for inf/NaN (bf16 has fp32's range)",
+}
+for _key in ("max_live_parameters", "max_reuse_distance", "prefetch_bucket_size", "param_persistence_threshold",
+             "model_persistence_threshold", "module_granularity_threshold"):
+    IGNORED[f"{ZO}.stage3_{_key}"] = IGNORED[f"{ZO}.{_key}"] = _S3
+
+# key path -> (the values accepted, and ignored; why any other value is refused, with the fix)
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "gradient_predivide_factor": ((1, 1.0), "zero divides the reduced gradients by the world size once"),
+    "prescale_gradients": ((False,), "zero divides the reduced gradients by the world size once"),
+    "gradient_allreduce_op": (("mean",), "zero averages gradients over ranks (the single-process update)"),
+    "sparse_gradients": ((False,), "zero reduces dense gradients only"),
+    "amp": ((None, {}, {"enabled": False}), "Apex AMP is not supported; use bf16 or fp16 (precision.param_dtype)"),
+    "torch_autocast": ((None, {}, {"enabled": False}),
+                       "torch.autocast is yours to call; zero's precision is precision.param_dtype (bf16/fp16)"),
+    f"{ZO}.load_from_fp32_weights": ((True,), "zero's checkpoints always restore the fp32 master"),
+    f"{ZO}.elastic_checkpoint": ((False,), "zero's checkpoints reshard on load (zero.load_checkpoint) anyway"),
+    f"{ZO}.zero_hpz_partition_size": ((1,), "ZeRO++ hierarchical partitioning is not supported yet"),
+    f"{ZO}.zero_quantized_weights": ((False,), "ZeRO++ quantized weights are not supported yet"),
+    f"{ZO}.zero_quantized_nontrainable_weights": ((False,), "ZeRO++ quantized weights are not supported yet"),
+    f"{ZO}.zero_quantized_gradients": ((False,), "ZeRO++ quantized gradients are not supported yet"),
+    f"{ZO}.mics_shard_size": ((-1,), "MiCS sub-group sharding is not supported; zero shards over the whole group"),
+    f"{ZO}.mics_hierarchical_params_gather": ((False,), "MiCS is not supported"),
+    f"{ZO}.legacy_stage1": ((False,), "DeepSpeed's legacy stage 1 has no equivalent"),
+    f"{ZO}.cpu_offload": ((False,), "deprecated in DeepSpeed: write offload_optimizer: {'device': 'cpu'}"),
+    f"{ZO}.cpu_offload_param": ((False,), "deprecated in DeepSpeed: write offload_param: {'device': 'cpu'}"),
+    f"{ZO}.cpu_offload_use_pin_memory": ((False,), "deprecated in DeepSpeed: use offload_*.pin_memory"),
+    f"{ZO}.offload_optimizer.ratio": ((1, 1.0), "partial optimizer offload is not supported: zero offloads it all"),
+    "fp16.loss_scale": ((0, 0.0), "static loss scaling is not supported: zero scales dynamically (use 0)"),
+    "fp16.fp16_master_weights_and_grads": ((False,), "zero keeps fp32 master weights and gradients"),
+    "bf16.bf16_master_weights_and_grads": ((False,), "zero keeps fp32 master weights and gradients"),
+    "bf16.bf16_optimizer_states": ((False,), "zero keeps the optimizer's state in fp32"),
+}
+
+# known DeepSpeed keys refused whatever their value: key path -> the fix
+REFUSED: dict[str, str] = {
+    "optimizer": "build the torch.optim optimizer yourself (e.g. torch.optim.AdamW(model.parameters(), **params)) "
+    "and wrap it in ZeroOptimizer; or pass ignore=['optimizer'] once you have",
+    "scheduler": "build a torch.optim.lr_scheduler over the ZeroOptimizer (it shares the param_groups); "
+    "or pass ignore=['scheduler'] once you have",
+    "activation_checkpointing": "DeepSpeed's checkpointing API is not used; set ZeroConfig.activation_checkpointing "
+    "(e.g. {} for every block) instead",
+    "aio": "NVMe offload is not supported yet",
+    f"{ZO}.zenflow": "ZenFlow is not supported",
+    f"{ZO}.zeropp_loco_param": "ZeRO++ LoCo is not supported",
+}
+
+# the keys handled in code below (the mapped ones)
+MAPPED = {
+    "zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
+    "communication_data_type",
+    f"{ZO}.stage", f"{ZO}.reduce_bucket_size", f"{ZO}.allgather_bucket_size", f"{ZO}.offload_optimizer",
+    f"{ZO}.offload_param", f"{ZO}.offload_optimizer.device", f"{ZO}.offload_param.device",
+    "fp16.enabled", "fp16.auto_cast", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
+    "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
+}
+
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+           "bf16": "bf16", "bfloat16": "bf16", "bfp16": "bf16"}
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """What :meth:`zero.ZeroConfig.from_deepspeed` returns; unpacks as ``config, training``.
+
+    ``config``: the :class:`zero.ZeroConfig`. ``gradient_clipping``: the max norm for ``opt.clip_grad_norm_``
+    before each step, or ``None`` (DeepSpeed's 0 or no key). ``gradient_accumulation_steps``: micro-batches per
+    step (run all but the last inside ``opt.no_sync()``, each loss divided by it). ``ignored``: each key found
+    that changes nothing in zero, with the reason."""
+
+    config: ZeroConfig
+    gradient_clipping: float | None = None
+    gradient_accumulation_steps: int = 1
+    ignored: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def training(self) -> dict[str, Any]:
+        return {"gradient_clipping": self.gradient_clipping,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.config, self.training))
+
+
+def from_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str] = (),
+                   **overrides: Any) -> DeepSpeedConfig:
+    """Translate a DeepSpeed config (a mapping, or the path of its JSON file) as the module docstring says.
+
+    ``ignore``: key paths (``"optimizer"``, ``"zero_optimization.stage3_max_live_parameters"``) you handle
+    yourself, skipped on purpose. ``overrides``: ``ZeroConfig`` fields set on top (``unit_classes=[...]``)."""
+    data = _load(source)
+    reader = _Reader(set(ignore))
+    reader.walk(data, "")
+    fields = reader.fields(data)
+    fields.update(overrides)
+    from zero.config import ZeroConfig
+
+    try:
+        config = ZeroConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"the DeepSpeed config maps to ZeroConfig({fields}), which is invalid: {err}") from err
+    return DeepSpeedConfig(config, reader.clipping, reader.accumulation, reader.ignored)
+
+
+def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); DeepSpeed configs are JSON") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object (a DeepSpeed config), got {type(data).__name__}")
+    return data
+
+
+class _Reader:
+    """Checks every key against the tables, then reads the mapped ones."""
+
+    def __init__(self, ignore: set[str]) -> None:
+        self.ignore = ignore
+        self.ignored: dict[str, str] = {}
+        self.clipping: float | None = None
+        self.accumulation = 1
+
+    def walk(self, section: Mapping[str, Any], prefix: str) -> None:
+        """Classify every key of ``section`` (recursing into the mapped sections); refuse what is not known."""
+        for key, value in section.items():
+            path = f"{prefix}{key}"
+            if path in self.ignore:
+                self.ignored[path] = "skipped on request (ignore=)"
+            elif path in IGNORED:
+                self.ignored[path] = IGNORED[path]
+            elif path in NEUTRAL:
+                accepted, why = NEUTRAL[path]
+                if value != AUTO and not any(value == a and type(value) is type(a) for a in accepted):
+                    shown = ", ".join(repr(a) for a in accepted)
+                    raise ValueError(f"DeepSpeed key {path}={value!r} is not supported: {why}. "
+                                     f"Remove it or set it to {shown}.")
+                self.ignored[path] = f"at the value zero's behaviour matches (other values refused: {why})"
+            elif path in REFUSED:
+                raise ValueError(f"DeepSpeed key {path} is not supported: {REFUSED[path]}.")
+            elif path in MAPPED:
+                if isinstance(value, Mapping):
+                    self.walk(value, f"{'bf16' if path == 'bfloat16' else path}.")
+                elif path in (ZO, "fp16", "bf16", "bfloat16", f"{ZO}.offload_optimizer", f"{ZO}.offload_param"):
+                    if value is not None:
+                        raise ValueError(f"DeepSpeed key {path} must be a JSON object, got {value!r}")
+            else:
+                raise ValueError(f"unknown DeepSpeed key {path}: from_deepspeed does not know it, so it cannot "
+                                 "tell what it would change. Remove it, or pass ignore=[" + repr(path) + "] if "
+                                 "it does not concern zero.")
+
+    def fields(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The ZeroConfig fields (and the training settings, on ``self``) of the mapped keys."""
+        zo = _section(data, ZO)
+        fp16, bf16 = _section(data, "fp16"), _section(data, "bf16") or _section(data, "bfloat16")
+        fields: dict[str, Any] = {}
+        stage = self.get(zo, f"{ZO}.stage", int, 0)
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"DeepSpeed key {ZO}.stage={stage} must be 0, 1, 2 or 3")
+        fields["stage"] = stage
+        half = self.get(fp16, "fp16.enabled", bool, False)
+        brain = self.get(bf16, "bf16.enabled", bool, False)
+        for name, section, enabled in (("fp16", fp16, half), ("bf16", bf16, brain)):
+            for key in section if not enabled else ():
+                if key != "enabled" and f"{name}.{key}" not in self.ignored:
+                    self.ignored[f"{name}.{key}"] = f"{name} is not enabled"
+        if half and brain:
+            raise ValueError("DeepSpeed keys fp16.enabled and bf16.enabled are both true; enable one of them")
+        param_dtype = "fp16" if half else "bf16" if brain else None
+        comm = self.get(data, "communication_data_type", str, None)
+        if comm is not None and comm not in _DTYPES:
+            raise ValueError(f"DeepSpeed key communication_data_type={comm!r} is not a dtype zero knows; use one of "
+                             f"{', '.join(sorted(_DTYPES))}")
+        reduce_dtype = _DTYPES[comm] if comm is not None else param_dtype
+        if param_dtype is None and reduce_dtype not in (None, "fp32"):
+            raise ValueError(f"DeepSpeed key communication_data_type={comm!r} needs fp16 or bf16 training: zero "
+                             "reduces full-precision gradients in their own dtype. Enable bf16/fp16 or remove it.")
+        if param_dtype is not None:
+            precision: dict[str, Any] = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
+                                         "cast_forward_inputs": half and self.get(fp16, "fp16.auto_cast", bool, False)}
+            if half:
+                precision["loss_scale"] = self.loss_scale(fp16)
+            fields["precision"] = precision
+        fields.update(self.buckets(zo, stage, param_dtype))
+        fields["offload"] = self.offload(zo, stage)
+        clip = self.get(data, "gradient_clipping", float, 0.0)
+        if clip < 0:
+            raise ValueError(f"DeepSpeed key gradient_clipping={clip} must be >= 0 (0: no clipping)")
+        self.clipping = clip or None
+        self.accumulation = self.get(data, "gradient_accumulation_steps", int, 1)
+        if self.accumulation < 1:
+            raise ValueError(f"DeepSpeed key gradient_accumulation_steps={self.accumulation} must be >= 1")
+        return fields
+
+    def loss_scale(self, fp16: Mapping[str, Any]) -> dict[str, Any]:
+        power = self.get(fp16, "fp16.initial_scale_power", int, 16)
+        hysteresis = self.get(fp16, "fp16.hysteresis", int, 1)
+        if hysteresis != 1:
+            raise ValueError(
+                f"DeepSpeed key fp16.hysteresis={hysteresis} is not supported: zero (as torch.amp.GradScaler) lowers "
+                "the loss scale on every overflowing step, which is hysteresis 1. Set fp16.hysteresis to 1.")
+        if "consecutive_hysteresis" in fp16:
+            self.get(fp16, "fp16.consecutive_hysteresis", bool, False)  # type-checked only
+            self.ignored["fp16.consecutive_hysteresis"] = "refills the hysteresis: a no-op at hysteresis 1"
+        if not 0 <= power <= 64:
+            raise ValueError(f"DeepSpeed key fp16.initial_scale_power={power} must be in 0..64")
+        return {"init_scale": float(2**power), "growth_factor": 2.0, "backoff_factor": 0.5,
+                "growth_interval": self.get(fp16, "fp16.loss_scale_window", int, 1000),
+                "min_scale": float(self.get(fp16, "fp16.min_loss_scale", float, 1.0))}
+
+    def buckets(self, zo: Mapping[str, Any], stage: int, param_dtype: str | None) -> dict[str, Any]:
+        """DeepSpeed counts bucket elements; zero's buckets hold bucket_size_mb of the compute dtype."""
+        paths = [f"{ZO}.reduce_bucket_size"] + ([f"{ZO}.allgather_bucket_size"] if stage < 3 else [])
+        sizes = {p: self.get(zo, p, int, None, auto=True) for p in paths}
+        if stage == 3 and "allgather_bucket_size" in zo:
+            self.ignored[f"{ZO}.allgather_bucket_size"] = "DeepSpeed does not use it at stage 3 (units are gathered)"
+        given = {p: s for p, s in sizes.items() if s is not None}
+        if not given:
+            return {}
+        if len(set(given.values())) > 1:
+            raise ValueError(f"DeepSpeed keys {' and '.join(given)} differ ({', '.join(map(str, given.values()))}); "
+                             "zero's buckets are reduce-scattered and all-gathered whole, with one size. Set both to "
+                             "the same number of elements, or keep one.")
+        elements = next(iter(given.values()))
+        if elements < 1:
+            raise ValueError(f"DeepSpeed key {next(iter(given))}={elements} must be at least 1 element")
+        itemsize = 2 if param_dtype in ("fp16", "bf16") else 4
+        return {"bucket_size_mb": elements * itemsize / 2**20}
+
+    def offload(self, zo: Mapping[str, Any], stage: int) -> dict[str, Any]:
+        offload = {"optimizer": "none", "params": "none"}
+        for key, ours in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+            section = _section(zo, key)
+            if not section:
+                continue
+            path = f"{ZO}.{key}.device"
+            device = self.get(section, path, str, "cpu")
+            if device == "nvme":
+                raise ValueError(f"DeepSpeed key {path}='nvme' is not supported yet: zero offloads to host memory "
+                                 "only. Use device 'cpu' (or 'none').")
+            if device not in ("cpu", "none"):
+                raise ValueError(f"DeepSpeed key {path}={device!r}: zero offloads to 'cpu' (or 'none')")
+            offload[ours] = device
+        if offload["params"] == "cpu" and stage != 3:
+            raise ValueError(f"DeepSpeed key {ZO}.offload_param.device='cpu' needs {ZO}.stage 3 (got {stage}): only "
+                             "stage 3 shards the parameters. Set stage 3, or remove offload_param.")
+        if offload["optimizer"] == "cpu" and stage == 0:
+            raise ValueError(f"DeepSpeed key {ZO}.offload_optimizer.device='cpu' needs {ZO}.stage 1, 2 or 3 "
+                             "(got 0): stage 0 keeps the whole optimizer state on every rank.")
+        return offload
+
+    def get(self, section: Mapping[str, Any], path: str, kind: type, default: Any, auto: bool = False) -> Any:
+        """``section[last part of path]`` checked to be a ``kind`` (JSON's 5e8 counts as an int), or
+        ``default``; ``"auto"`` is ``default`` where ``auto`` allows it, else refused."""
+        key = path.rsplit(".", 1)[-1]
+        if path in self.ignore or key not in section:
+            return default
+        value = section[key]
+        if value == AUTO and isinstance(value, str):
+            if auto:
+                self.ignored[path] = "'auto': zero's default"
+                return default
+            raise ValueError(f"DeepSpeed key {path}='auto' cannot be resolved here: it changes the training run, "
+                             "and 'auto' is filled by Hugging Face's Trainer from TrainingArguments. Write the value.")
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = not isinstance(value, bool) and (isinstance(value, int) or (
+                isinstance(value, float) and math.isfinite(value) and value.is_integer()))
+            value = int(value) if ok else value
+        elif kind is float:
+            ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            value = float(value) if ok else value
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise ValueError(f"DeepSpeed key {path}={value!r} must be {'an' if kind is int else 'a'} {kind.__name__}")
+        return value
+
+
+def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = data.get(key)
+    return value if isinstance(value, Mapping) else {}
