@@ -28,6 +28,7 @@ NOT_LISTED = {
     "shard … out of range for … shards": "layout.py: a shard index the runtime computed",
     "numels and keys must have the same length": "layout.py: lists the partition built together",
     "bucket_cap must be >= 1 element, got …": "layout.py: the partition passes max(1, ...)",
+    "parameter … has no elements": "layout.py: partition.py refuses an empty parameter first, by name",
     "sample marks in the profiler's record for … samples": "allocator.py: its own marks vs. its record",
     "the metadata key … is zero's own": "tensorfile.write: metadata keys are zero's own code's",
     "tensor file keys must be unique and not '__metadata__'": "tensorfile.write: keys are zero's own code's",

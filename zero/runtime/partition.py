@@ -112,6 +112,12 @@ def build_partition(
     for p in packed:
         if p.layout != torch.strided:
             raise ValueError(f"parameter {names[p]!r} has layout {p.layout}; ZeRO packs dense (strided) parameters")
+        if p.numel() == 0:
+            raise ValueError(
+                f"parameter {names[p]!r} has no elements, so there is nothing of it to shard. Keep it out of the "
+                "optimizer (and, at stage 3, which packs every frozen parameter of the model, out of the model: "
+                "a buffer), or give it a size."
+            )
 
     def device_of(p: torch.nn.Parameter) -> torch.device:
         if p.is_meta:
