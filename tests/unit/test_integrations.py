@@ -70,3 +70,15 @@ def test_accelerate_helper_refusals():
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
     assert float(opt.clip_grad_norm_(1.0)) > 0  # the optimizer's own clip: the global norm
     accelerate.state.AcceleratorState._reset_state(True)
+
+
+def test_accelerate_helper_refuses_an_accelerator_that_sees_another_world():
+    """Accelerate built without cpu=True under torchrun on CPU sees one process while the process group has more:
+    refused, naming the fix (a stand-in accelerator plays the mismatch in one process)."""
+
+    class TwoProcessAccelerator:
+        mixed_precision, device, num_processes = "no", torch.device("cpu"), 2
+
+    model = gpt2()
+    with pytest.raises(ValueError, match=r"Accelerate sees 2 process\(es\).*Accelerator\(cpu=True\)"):
+        zacc.prepare(TwoProcessAccelerator(), model, torch.optim.AdamW(model.parameters()))
