@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from zero.activations import ActivationCheckpointing
+from zero.deepspeed_config import from_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision
 
@@ -203,9 +204,7 @@ class ZeroConfig(BaseModel):
         ``config, training``: the ``ZeroConfig``, and ``{"gradient_clipping", "gradient_accumulation_steps"}`` for
         the training loop to apply (``opt.clip_grad_norm_``, ``opt.no_sync()``). See ``zero.deepspeed_config`` and
         docs/migration.md for what maps, what is ignored and why, and what is refused."""
-        from zero.deepspeed_config import from_deepspeed
-
-        return from_deepspeed(source, ignore=ignore, **overrides)
+        return from_deepspeed(source, ignore, cls, **overrides)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "ZeroConfig":

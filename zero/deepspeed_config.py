@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-if TYPE_CHECKING:  # zero.config imports this module lazily, in ZeroConfig.from_deepspeed
+if TYPE_CHECKING:  # (zero.config imports this module; ZeroConfig.from_deepspeed passes the class in)
     from zero.config import ZeroConfig
 
 ZO = "zero_optimization"
@@ -168,9 +168,10 @@ class DeepSpeedConfig:
         return iter((self.config, self.training))
 
 
-def from_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str] = (),
+def from_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str], config_class: type[ZeroConfig],
                    **overrides: Any) -> DeepSpeedConfig:
-    """Translate a DeepSpeed config (a mapping, or the path of its JSON file) as the module docstring says.
+    """Translate a DeepSpeed config (a mapping, or the path of its JSON file) as the module docstring says
+    (``ZeroConfig.from_deepspeed`` calls it with ``config_class=ZeroConfig``: this module does not import it).
 
     ``ignore``: key paths (``"optimizer"``, ``"zero_optimization.stage3_max_live_parameters"``) you handle
     yourself, skipped on purpose. ``overrides``: ``ZeroConfig`` fields set on top (``unit_classes=[...]``)."""
@@ -179,10 +180,8 @@ def from_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str]
     reader.walk(data, "")
     fields = reader.fields(data)
     fields.update(overrides)
-    from zero.config import ZeroConfig
-
     try:
-        config = ZeroConfig(**fields)
+        config = config_class(**fields)
     except ValueError as err:
         raise ValueError(f"the DeepSpeed config maps to ZeroConfig({fields}), which is invalid: {err}") from err
     return DeepSpeedConfig(config, reader.clipping, reader.accumulation, reader.ignored)
