@@ -93,9 +93,10 @@ class ZeroConfig(BaseModel):
 
     offload: Offload = Field(
         default_factory=Offload,
-        description="CPU offload (zero.Offload, or a mapping): {'optimizer': 'cpu'} keeps the fp32 master shard, "
+        description="Offload (zero.Offload, or a mapping): {'optimizer': 'cpu'} keeps the fp32 master shard, "
         "the optimizer's gradients and state in host memory and steps there (stages 1-3); {'params': 'cpu'} "
-        "also keeps stage 3's parameter shards there. Default: nothing offloaded.",
+        "also keeps stage 3's parameter shards there; 'disk' with a 'path' keeps them in a file per rank "
+        "(ZeRO-Infinity). Default: nothing offloaded.",
     )
 
     activation_checkpointing: Optional[ActivationCheckpointing] = Field(
@@ -176,14 +177,14 @@ class ZeroConfig(BaseModel):
     def _offload_stage(self) -> "ZeroConfig":
         if self.offload.params_on_host and self.stage != 3:
             raise ValueError(
-                f"offload.params='cpu' needs stage 3 (got stage {self.stage}): only stage 3 shards the parameters; "
-                "below it every rank computes with whole parameters on the device. Use stage=3, or "
+                f"offload.params={self.offload.params!r} needs stage 3 (got stage {self.stage}): only stage 3 shards "
+                "the parameters; below it every rank computes with whole parameters on the device. Use stage=3, or "
                 "offload.optimizer='cpu' alone."
             )
         if self.offload.optimizer_on_host and self.stage == 0:
             raise ValueError(
-                "offload.optimizer='cpu' needs stage 1, 2 or 3 (got stage 0): stage 0 keeps the whole optimizer "
-                "state on every rank. Use stage 1 or higher."
+                f"offload.optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage 0): stage 0 keeps the "
+                "whole optimizer state on every rank. Use stage 1 or higher."
             )
         return self
 

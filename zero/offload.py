@@ -1,5 +1,6 @@
-"""CPU offload: the policy (``ZeroConfig.offload``) and the host memory check made before anything is allocated.
-Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.placement``'s.
+"""Offload: the policy (``ZeroConfig.offload``) and the memory and disk checks made before anything is allocated.
+Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.placement``'s (and, on
+disk, ``zero.runtime.disk``'s).
 
 With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
 memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
@@ -14,6 +15,10 @@ optimizer offload (the master shard is then a host buffer whatever the dtypes).
 Host buffers are pinned when the model is on a GPU, so that copies to and from it can run
 asynchronously. The arithmetic is unchanged: the same optimizer steps the same fp32 values, so
 offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
+
+With ``"disk"`` (ZeRO-Infinity) the same buffers, and the wrapped optimizer's per-element state, live in one
+preallocated, memory-mapped file per rank under ``path``; at most ``buffer_count`` buckets of them are mapped in
+host memory at a time, read ahead of their step and written back after it (``zero.runtime.disk``).
 """
 
 from __future__ import annotations
@@ -36,11 +41,23 @@ class Offload(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    optimizer: Literal["none", "cpu"] = Field(
-        "none", description="'cpu': master weights, optimizer gradients and state in host memory; step on the host."
+    optimizer: Literal["none", "cpu", "disk"] = Field(
+        "none",
+        description="'cpu': master weights, optimizer gradients and state in host memory; step on the host. "
+        "'disk': the same in a file per rank under `path`, stepped bucket by bucket on the host.",
     )
-    params: Literal["none", "cpu"] = Field(
-        "none", description="'cpu' (stage 3): parameter shards in host memory, copied up for each gather."
+    params: Literal["none", "cpu", "disk"] = Field(
+        "none",
+        description="'cpu' (stage 3): parameter shards in host memory, copied up for each gather. 'disk': in the "
+        "file under `path` (the optimizer side goes to disk too), read ahead of each gather.",
+    )
+    path: str | None = Field(
+        None, description="With 'disk': the directory (on local NVMe) that holds each rank's offload file."
+    )
+    buffer_count: int = Field(
+        2, ge=1, le=64, strict=True,
+        description="With 'disk': how many buckets' files are mapped in host memory at a time (the one stepping, "
+        "the ones read ahead).",
     )
 
     delayed_step: bool = Field(
@@ -58,15 +75,43 @@ class Offload(BaseModel):
                 "offload.delayed_step=True hides the host step behind the next forward, so it needs the optimizer "
                 "offloaded: set offload.optimizer='cpu' too"
             )
+        if self.delayed_step and self.on_disk:
+            raise ValueError(
+                "offload.delayed_step=True steps every bucket at once in a background thread, which would map the "
+                "whole optimizer side from disk into host memory; use it with optimizer='cpu', not 'disk'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _disk_needs_path(self) -> "Offload":
+        if self.on_disk and self.path is None:
+            raise ValueError(
+                "offload to 'disk' needs offload.path: a directory on a local disk (NVMe) where each rank writes "
+                "its offload file, e.g. offload={'optimizer': 'disk', 'path': '/local_nvme/zero'}"
+            )
+        if self.params == "disk" and self.optimizer == "cpu":
+            raise ValueError(
+                "offload.params='disk' keeps the optimizer side on disk too (the master shard beside the parameter "
+                "shard); set offload.optimizer='disk' or leave it unset"
+            )
+        if self.path is not None and not self.on_disk:
+            raise ValueError("offload.path is used only with 'disk'; set optimizer='disk' (or params='disk')")
         return self
 
     @property
+    def on_disk(self) -> bool:
+        """The optimizer side (and with ``params='disk'`` stage 3's parameter shards) lives in files on disk."""
+        return self.optimizer == "disk" or self.params == "disk"
+
+    @property
     def optimizer_on_host(self) -> bool:
-        return self.optimizer == "cpu" or self.params == "cpu"
+        """The optimizer side lives off the device (host memory, or disk mapped through host memory)."""
+        return self.optimizer != "none" or self.params != "none"
 
     @property
     def params_on_host(self) -> bool:
-        return self.params == "cpu"
+        """Stage 3's parameter shards live off the device (host memory or disk)."""
+        return self.params != "none"
 
 
 def available_host_bytes() -> int | None:
@@ -88,7 +133,7 @@ def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> N
     """Raise before allocating if this rank's host buffers would not fit in the memory available now
     (``shard_numel``: elements of this rank's chunks; ``param_bytes``: bytes per element of a parameter
     shard kept on the host)."""
-    if not offload.optimizer_on_host:
+    if not offload.optimizer_on_host or offload.on_disk:  # (disk: zero.runtime.disk checks free space)
         return
     per_element, extras = HOST_BYTES_PER_ELEMENT, ""
     if offload.params_on_host:

@@ -54,6 +54,7 @@ def finish_load(runtime: Runtime, inner_state: dict[str, Any], loss_scale: dict[
     """Load the wrapped optimizer's state, then cast and share the parameters of ``buckets`` (default: every
     trainable bucket) from their masters, and the loss scale."""
     runtime.inner.load_state_dict(inner_state)
+    runtime.paging.adopt_state(runtime.trainable_buckets)  # offload to disk: the loaded state into the file
     runtime.share_masters(runtime.trainable_buckets if buckets is None else buckets)
     if runtime.scaler.enabled and loss_scale is not None:
         runtime.scaler.load_state_dict(loss_scale)

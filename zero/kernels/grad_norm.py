@@ -11,14 +11,20 @@ from __future__ import annotations
 import torch
 
 
-def local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The ``norm_type`` norm of ``grads`` (in order), as a 0-dim fp32 tensor on ``device`` (zero for none)."""
-    if not grads:
-        return torch.zeros((), device=device)
+def tensor_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """The ``norm_type`` norm of each tensor of ``grads`` (0-dim, in order), one multi-tensor launch per kind."""
     norms: list[torch.Tensor] = [torch.empty(())] * len(grads)
     for group in _groups(grads).values():
         for i, norm in zip(group, torch._foreach_norm([grads[i] for i in group], norm_type)):
             norms[i] = norm
+    return norms
+
+
+def total_norm(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The ``norm_type`` norm of the per-tensor ``norms`` (in order), as a 0-dim fp32 tensor on ``device`` (zero
+    for none)."""
+    if not norms:
+        return torch.zeros((), device=device)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(device)
 
 

@@ -197,6 +197,10 @@ class Bucket:
         if self.master_buffer is not None:
             adopt_edits_(self.master_buffer.data, self.shard)
 
+    def makes_master_grads(self, inv_scale: float) -> bool:
+        """Whether :meth:`make_master_grads` touches the gradients (else they are the optimizer's as they are)."""
+        return self.master_grad is not None or inv_scale != 1.0
+
     def make_master_grads(self, inv_scale: float) -> None:
         """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
         (``inv_scale`` 1.0: none). In place when ``grad_shard`` is in the master dtype already."""
@@ -278,8 +282,8 @@ class Bucket:
         else:
             params = ("parameters", "whole" if self.shard_buffer is None else "gathered")
         staging = self.staging if self.staging is not self.grad_buffer else None  # else: the local gradients
-        host = " (host)" if self.offloaded else ""
-        shard = "shard (host)" if self.placements.shard.where.on_host else "shard"
+        host = self.placements.optimizer.where.suffix if self.offloaded else ""
+        shard = "shard" + self.placements.shard.where.suffix
         roles = [
             ("parameters", *params, self.param_buffer),
             ("parameters", "parameters", shard, self.shard_buffer),

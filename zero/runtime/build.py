@@ -28,12 +28,14 @@ from zero.precision import (
     full_precision_parameters,
 )
 from zero.runtime.delayed import DelayedStep
+from zero.runtime.disk import HEADER_BYTES, DiskPlacement, OffloadFile, check_disk_space
 from zero.runtime.gatherer import ParamGatherer
 from zero.runtime.inner import check_optimizer, rebuild_optimizer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
 from zero.runtime.no_gatherer import NoGatherer
 from zero.runtime.ownership import Owner, claim_parameters, managed_elsewhere
+from zero.runtime.paging import DiskPaging, DiskState, Resident, per_element_state
 from zero.runtime.partition import Partition, build_partition
 from zero.runtime.placement import Placements
 from zero.runtime.reducer import GradReducer
@@ -69,7 +71,7 @@ def build_runtime(
     meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
     if config.sync_module_states:
         _broadcast_module_states(model, comm, skip=meta)
-    placements = placements or Placements.of(config.offload, comm.device)
+    placements = placements or Placements.of(config.offload, comm.device, _disk(optimizer, model, config, stage, comm))
     partition = _build_partition(optimizer, model, config, stage, comm, placements)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
@@ -86,6 +88,7 @@ def build_runtime(
     cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
     inner = rebuild_optimizer(optimizer, partition.buckets)
     stepper = BucketStepper(inner, partition.trainable_buckets, config.step_kernel)
+    paging = _paging(inner, partition, placements, config)
     if config.offload.optimizer_on_host:
         warn_unfused_host_step(inner)
     policy = config.activation_checkpointing
@@ -99,9 +102,10 @@ def build_runtime(
         owner=owner,
         inner=inner,
         stepper=stepper,
-        update=DelayedStep(inner) if config.offload.delayed_step else ImmediateUpdate(stepper, stage, comm),
+        update=DelayedStep(inner) if config.offload.delayed_step else ImmediateUpdate(stepper, stage, comm, paging),
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
         gatherer=_gatherer(partition, stage, comm, config),
+        paging=paging,
         checkpointed=checkpoint_activations(model, policy) if policy is not None else None,
     )
     runtime.reducer = GradReducer(
@@ -169,6 +173,43 @@ def _build_partition(
         dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
         placements=placements,
     )
+
+
+def _disk(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: ZeroConfig, stage: Stage, comm: Communicator
+) -> DiskPlacement | None:
+    """With offload to disk, this rank's file, made once its free space is checked."""
+    offload = config.offload
+    if not offload.on_disk:
+        return None
+    check_disk_space(offload.path, disk_bytes(optimizer, model, config, stage.num_shards(comm.world_size)))
+    return DiskPlacement(OffloadFile(offload.path, comm.rank, comm.world_size))
+
+
+def disk_bytes(optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: ZeroConfig, num_shards: int) -> int:
+    """Bytes of this rank's offload file, computed before it is made (an upper bound: every gradient shard written at
+    once, a page more per bucket not counted): per element of this rank's chunk of the trainable parameters, the fp32
+    master, the reduced gradient (and its fp32 copy when reduced in another dtype) and the optimizer's per-element
+    state; with ``params='disk'`` also its chunk of every parameter, in the compute dtype."""
+    precision = config.precision
+    chunk = lambda numel: -(-numel // num_shards)  # noqa: E731
+    reduce = DTYPES[precision.reduce_dtype].itemsize if precision.enabled and precision.reduce_dtype else 4
+    state = sum(dtype.itemsize for dtype in per_element_state(optimizer).values())
+    per_element = 4 + reduce + (4 if reduce != 4 else 0) + state
+    trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    nbytes = chunk(trainable) * per_element + HEADER_BYTES
+    if config.offload.params == "disk":
+        param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
+        nbytes += chunk(sum(p.numel() for p in model.parameters())) * param_bytes
+    return nbytes
+
+
+def _paging(inner: torch.optim.Optimizer, partition: Partition, placements: Placements, config: ZeroConfig) -> Resident:
+    """How passes over the optimizer side walk the buckets: a window through host memory when it is on disk."""
+    disk = placements.disk
+    if disk is None:
+        return Resident()
+    return DiskPaging(DiskState(inner, partition.trainable_buckets, disk), config.offload.buffer_count)
 
 
 def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[torch.nn.Parameter]], list]:

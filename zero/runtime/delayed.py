@@ -45,9 +45,12 @@ class DelayedStep:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> list:
-        """This step's update, started in the background and shared by the next ``step()`` or ``flush()``
-        (nothing to wait for now)."""
+    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any], adopt: bool = True) -> list:
+        """This step's update (the edits made to the parameters first taken into the masters with ``adopt``),
+        started in the background and shared by the next ``step()`` or ``flush()`` (nothing to wait for now)."""
+        if adopt:
+            for bucket in buckets:
+                bucket.adopt_edits()
         self.launch(buckets, step_kwargs)
         self.remember(buckets)
         return []

@@ -117,6 +117,16 @@ class FlatBuffer:
             self.placement.release(self._tensor)
             self.state = BufferState.RELEASED
 
+    def prefetch(self) -> None:
+        """Start bringing the values into memory ahead of their use (a disk placement reads them ahead)."""
+        if self.state is not BufferState.RELEASED:
+            self.placement.prefetch(self._tensor)
+
+    def evict(self) -> None:
+        """The values are not needed in memory for a while (a disk placement writes them back and unmaps them)."""
+        if self.state is not BufferState.RELEASED:
+            self.placement.evict(self._tensor)
+
     def disown(self) -> None:
         """Leave the current storage, and every view of it, to whoever still holds them, and start
         over with a new, released storage (views must be made again)."""

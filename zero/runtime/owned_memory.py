@@ -38,7 +38,7 @@ def _unbucketed(runtime: Runtime) -> Iterator[tuple[str, MemoryItem]]:
     """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
     for name, p in runtime.partition.frozen:
         yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
-    host = " (host)" if runtime.config.offload.optimizer_on_host else ""
+    host = runtime.placements.optimizer.where.suffix if runtime.placements.optimizer_offloaded else ""
     for state in runtime.inner.state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):

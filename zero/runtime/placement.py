@@ -11,7 +11,9 @@ restoring it; nothing else in the runtime allocates bucket memory. Two placement
 
 :class:`Placements` is one run's choice of placement per side of a bucket (the device, the optimizer's
 side, stage 3's parameter shard), derived from the offload policy; the plan (``zero.runtime.plan``)
-records which side each buffer is on. Disk (ZeRO-Infinity) is the next placement.
+records which side each buffer is on. :class:`~zero.runtime.disk.DiskPlacement` (ZeRO-Infinity) keeps buffers in
+a memory-mapped file per rank; a placement's :meth:`~Placement.prefetch` and :meth:`~Placement.evict` page them
+in and out (nothing to do for memory).
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ class Where(Enum):
     DEVICE = "device"
     HOST = "host"
     PINNED_HOST = "pinned host"
+    DISK = "disk"
 
     @property
     def on_host(self) -> bool:
         return self is not Where.DEVICE
+
+    @property
+    def suffix(self) -> str:
+        """How the profiler's labels name buffers kept here: ``""``, ``" (host)"`` or ``" (disk)"``."""
+        return {Where.DEVICE: "", Where.DISK: " (disk)"}.get(self, " (host)")
 
 
 class Placement:
@@ -55,6 +63,16 @@ class Placement:
     def restore(self, tensor: torch.Tensor) -> None:
         """Give a released tensor its bytes back (their values are undefined)."""
         raise NotImplementedError
+
+    def prefetch(self, tensor: torch.Tensor) -> None:
+        """Start bringing the tensor's values into memory before they are used (memory: nothing to do)."""
+
+    def evict(self, tensor: torch.Tensor) -> None:
+        """The values are not needed in memory for a while: write them back and drop them from memory, keeping
+        them (memory: nothing to do)."""
+
+    def close(self) -> None:
+        """Give back what the placement holds outside the process (disk: its file)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where.value}, {self.device})"
@@ -153,13 +171,15 @@ class Placements:
     copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down to the host
 
     @classmethod
-    def of(cls, offload: Offload, device: torch.device) -> "Placements":
+    def of(cls, offload: Offload, device: torch.device, disk: Placement | None = None) -> "Placements":
+        """As ``offload`` says; ``disk``: the disk placement (``zero.runtime.disk``) when it says 'disk'."""
+        assert (disk is not None) == offload.on_disk
         on_device = DevicePlacement(device)
         host = HostPlacement(pin=device.type == "cuda")
         return cls(
             device=on_device,
-            optimizer=host if offload.optimizer_on_host else on_device,
-            shard=host if offload.params_on_host else on_device,
+            optimizer=disk or host if offload.optimizer_on_host else on_device,
+            shard=(disk if offload.params == "disk" else host) if offload.params_on_host else on_device,
             copies=HostCopies(device) if offload.optimizer_on_host else None,
         )
 
@@ -173,6 +193,16 @@ class Placements:
         """The optimizer's side (master, its gradients, the step) lives in host memory, in buffers of its own
         even when the model is on the CPU too."""
         return self.optimizer is not self.device
+
+    @property
+    def disk(self) -> Placement | None:
+        """The disk placement, if a side is on disk."""
+        return next((p for p in (self.optimizer, self.shard) if p.where is Where.DISK), None)
+
+    def close(self) -> None:
+        """Give back what the placements hold outside the process (the offload file)."""
+        for placement in {id(p): p for p in (self.device, self.optimizer, self.shard)}.values():
+            placement.close()
 
     @property
     def pin(self) -> bool:

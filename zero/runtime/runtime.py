@@ -17,7 +17,7 @@ import torch
 
 from zero.comm import Communicator
 from zero.config import ZeroConfig
-from zero.kernels.grad_norm import local_norm, scale_
+from zero.kernels.grad_norm import scale_, tensor_norms, total_norm
 from zero.precision import DTYPES, cast_inputs
 from zero.runtime.bucket import Bucket, LocalPiece
 from zero.runtime.delayed import DelayedStep
@@ -25,6 +25,7 @@ from zero.runtime.gatherer import ParamGatherer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.no_gatherer import NoGatherer
 from zero.runtime.ownership import Owner, check_model
+from zero.runtime.paging import Resident
 from zero.runtime.partition import Partition
 from zero.runtime.placement import Placements
 from zero.runtime.reducer import GradReducer, GradState
@@ -50,6 +51,7 @@ class Runtime:
     update: ImmediateUpdate | DelayedStep
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer
+    paging: Resident  # how passes over the optimizer side walk the buckets (DiskPaging: through host memory)
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)
@@ -124,8 +126,10 @@ class Runtime:
         step uses): in the master dtype, unscaled (fp16), for this rank's pieces of parameters that have
         a gradient, in model order."""
         if not self.grads_prepared:
-            for bucket in self.trainable_buckets:
-                bucket.make_master_grads(self.scaler.inv_scale)
+            inv_scale = self.scaler.inv_scale
+            for bucket in self.paging.walk([b for b in self.trainable_buckets if b.makes_master_grads(inv_scale)],
+                                           grads_only=True):
+                bucket.make_master_grads(inv_scale)
             self.placements.wait()  # offload: the gradients copied down have landed
             self.grads_prepared = True
         return [p.slot.bucket.grad_piece(p) for p in self.pieces_in_model_order if p.slot.used_anywhere]
@@ -144,9 +148,14 @@ class Runtime:
         if not self.before_step():
             return torch.zeros((), device=self.comm.device)
         self.reducer.require_reduced("clip_grad_norm_()")
-        grads = self.master_grads()
+        self.master_grads()
         norm_type = float(norm_type)
-        total = local_norm(grads, norm_type, self.comm.device)  # offload: computed on the host, moved
+        norms = {}  # per piece, one bucket at a time (on disk, each bucket's gradients are paged in for it)
+        for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
+            pieces = self.used_pieces(bucket)
+            norms.update(zip(map(id, pieces), tensor_norms([bucket.grad_piece(p) for p in pieces], norm_type)))
+        in_order = [norms[id(p)] for p in self.pieces_in_model_order if p.slot.used_anywhere]
+        total = total_norm(in_order, norm_type, self.comm.device)  # offload: computed on the host, moved
         if self.stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
             what = "all-reduce of the gradient norm"
             if norm_type == math.inf:
@@ -157,8 +166,15 @@ class Runtime:
                 total = partial.pow(1.0 / norm_type).to(torch.float32)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
-        scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
+            scale_([bucket.grad_piece(p) for p in self.used_pieces(bucket)], coef)
         return total
+
+    @staticmethod
+    def used_pieces(bucket: Bucket) -> list[LocalPiece]:
+        """The bucket's pieces of parameters that have a gradient (the optimizer's, in the bucket's order)."""
+        return [p for p in bucket.pieces if p.slot.used_anywhere]
 
     # ----- the step ------------------------------------------------------------------------------------------
 
@@ -177,14 +193,15 @@ class Runtime:
 
     def _update(self, step_kwargs: dict[str, Any]) -> None:
         buckets = self.trainable_buckets
-        if self.update.pending:  # share the update started by the previous step()
-            self.flush()
-        else:
-            for bucket in buckets:
-                bucket.adopt_edits()
+        shared = self.update.pending  # the update started by the previous step(), shared now: nothing to adopt
+        self.flush()
         self.master_grads()
-        # an fp16 overflow skips the update: the masters (edits taken above) already match the parameters
-        handles = [] if self.scaler.found_inf else self.update.update(buckets, step_kwargs)
+        if self.scaler.found_inf:  # an fp16 overflow skips the update; the masters take the edits and then match
+            for bucket in [] if shared else self.paging.walk(buckets):
+                bucket.adopt_edits()
+            handles = []
+        else:
+            handles = self.update.update(buckets, step_kwargs, adopt=not shared)
         self.release_master_grads()
         wait_all(handles)
         self.scaler.update()
@@ -225,6 +242,7 @@ class Runtime:
         self.flush()
         self.gatherer.reshard_all()
         self.release.close()
+        self.placements.close()  # the offload file, if any
 
     def steps_taken(self) -> int:
         return self.steps

@@ -29,6 +29,7 @@ import torch
 
 from zero.config import StepKernel
 from zero.runtime.bucket import Bucket, LocalPiece
+from zero.runtime.paging import Resident
 
 
 def triton_available() -> bool:
@@ -142,18 +143,23 @@ class BucketStepper:
 
 
 class ImmediateUpdate:
-    """The synchronous update (without ``offload.delayed_step``): each bucket is stepped, then its parameters are
-    shared (stages 1-2) while the next one steps. Nothing is ever pending (the interface of ``DelayedStep``)."""
+    """The synchronous update (without ``offload.delayed_step``): each bucket takes the edits made to its parameters,
+    is stepped, then its parameters are shared (stages 1-2) while the next one steps, one bucket after the other in a
+    walk of ``paging`` (``zero.runtime.paging``: on disk, read ahead and written back around its turn). Nothing is
+    ever pending (the interface of ``DelayedStep``)."""
 
     pending = False
 
-    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any):
-        self.stepper, self.stage, self.comm = stepper, stage, comm
+    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any, paging: Resident):
+        self.stepper, self.stage, self.comm, self.paging = stepper, stage, comm, paging
 
-    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any]) -> list:
-        """Step every bucket; the handles of the parameters' all-gathers (``None`` where nothing is gathered)."""
+    def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any], adopt: bool = True) -> list:
+        """Step every bucket (first taking the edits into its master with ``adopt``); the handles of the parameters'
+        all-gathers (``None`` where nothing is gathered)."""
         handles = []
-        for bucket in buckets:
+        for bucket in self.paging.walk(buckets):
+            if adopt:
+                bucket.adopt_edits()
             self.stepper.step(bucket, step_kwargs)
             handles.append(self.stage.gather_params(bucket, self.comm))
         return handles

@@ -85,6 +85,7 @@ class StagedReduction:
         else:  # first pass since zero_grad(): one copy instead of zero-fill + add (offload: down to the host)
             bucket.grad_shard_buffer.allocate(zero=False)
             bucket.placements.copy_down(bucket.grad_shard, reduced)
+        bucket.grad_shard_buffer.evict()  # on disk: written back until the step reads it
         bucket.staging.free()
 
     def clear_shard_of(self, bucket: Bucket, slot: ParamSlot) -> None:

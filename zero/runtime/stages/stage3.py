@@ -48,6 +48,7 @@ class Stage3(Stage2):
         """Allocate ``param_buffer`` and start gathering every rank's chunk into it."""
         assert bucket.shard_buffer is not None
         bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
+        bucket.shard_buffer.prefetch()  # on disk: read ahead, as far ahead as the gatherer unshards units
         source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
         handle = comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}")
         bucket.param_buffer.start_collective()
@@ -56,6 +57,7 @@ class Stage3(Stage2):
     def end_unshard(self, bucket: Bucket) -> None:
         """The gather has completed (its handle was waited on): ``param_buffer`` may be read."""
         bucket.param_buffer.end_collective()
+        bucket.shard_buffer.evict()  # on disk: not needed in memory until the next gather or step
 
     def attach(self, bucket: Bucket) -> None:
         """The gather has completed: point each parameter at its whole value."""

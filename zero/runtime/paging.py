@@ -1,0 +1,135 @@
+"""Paging the optimizer's side of each bucket through host memory when it lives on disk.
+
+Every pass over the buckets' optimizer side (making the optimizer's gradients, clipping, the step) goes through
+:meth:`walk`, which yields the buckets in order (``grads_only``: the pass reads only the gradient shards). Under
+:class:`Resident` (memory placements) that is all. Under :class:`DiskPaging` at most ``buffer_count`` buckets are
+mapped at a time: each one is read ahead (its master, gradient shard, stage-3 parameter shard and optimizer state)
+``buffer_count - 1`` buckets before it is used, and written back and dropped from memory as soon as it has been
+(``zero.runtime.disk``). So reads of the next buckets, the current bucket's work and the write-back of the previous
+ones overlap, and host memory holds a window of buckets, not the model.
+
+The wrapped optimizer's per-element state (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``)
+lives in the file too: :class:`DiskState` preallocates a region per bucket and key, learned by stepping a
+two-element copy of the optimizer at construction, and moves the tensors ``torch.optim`` creates (at a bucket's
+first step, or on ``load_state_dict``) into them, one bucket at a time. The values are the same tensors' values,
+so disk offload changes no number.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from zero.runtime.bucket import Bucket
+from zero.runtime.flat_buffer import FlatBuffer
+from zero.runtime.placement import Placement
+
+
+class Resident:
+    """Everything stays in memory: a walk is the buckets in order."""
+
+    def walk(self, buckets: list[Bucket], grads_only: bool = False) -> Iterator[Bucket]:
+        yield from buckets
+
+    def adopt_state(self, buckets: list[Bucket]) -> None:
+        pass
+
+
+class DiskPaging(Resident):
+    """A window of ``buffer_count`` buckets mapped at a time (see the module docstring)."""
+
+    def __init__(self, state: "DiskState", buffer_count: int):
+        self.state = state
+        self.buffer_count = buffer_count
+
+    def walk(self, buckets: list[Bucket], grads_only: bool = False) -> Iterator[Bucket]:
+        ahead = self.buffer_count - 1
+        for bucket in buckets[:ahead]:
+            self.prefetch(bucket, grads_only)
+        for i, bucket in enumerate(buckets):
+            if i + ahead < len(buckets):
+                self.prefetch(buckets[i + ahead], grads_only)
+            if ahead == 0:
+                self.prefetch(bucket, grads_only)
+            yield bucket
+            self.state.adopt(bucket)
+            self.evict(bucket)
+
+    def adopt_state(self, buckets: list[Bucket]) -> None:
+        """Move the optimizer state ``torch.optim`` made in memory (``load_state_dict``) into the file."""
+        for _ in self.walk(buckets):
+            pass
+
+    def prefetch(self, bucket: Bucket, grads_only: bool = False) -> None:
+        for buffer in self._buffers(bucket, grads_only):
+            buffer.prefetch()
+
+    def evict(self, bucket: Bucket) -> None:
+        for buffer in self._buffers(bucket):
+            buffer.evict()
+
+    def _buffers(self, bucket: Bucket, grads_only: bool = False) -> list[FlatBuffer]:
+        grads = [b for b in (bucket.grad_shard_buffer, bucket.master_grad) if b is not None]
+        if grads_only:
+            return grads
+        rest = [b for b in (bucket.master_buffer, bucket.shard_buffer) if b is not None]
+        return grads + rest + list(self.state.regions.get(bucket.index, {}).values())
+
+
+class DiskState:
+    """The wrapped optimizer's per-element state in regions of the offload file, one per bucket and key."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], placement: Placement):
+        self.optimizer = optimizer
+        self.layout = per_element_state(optimizer)
+        self.regions: dict[int, dict[str, FlatBuffer]] = {
+            b.index: {
+                key: FlatBuffer(b.layout.chunk_numel, dtype, placement, name=f"{key} of {b}")
+                for key, dtype in self.layout.items()
+            }
+            for b in buckets
+        }
+
+    @torch.no_grad()
+    def adopt(self, bucket: Bucket) -> None:
+        """Move each per-element state tensor of the bucket's pieces that is not in the file yet into it."""
+        regions = self.regions.get(bucket.index, {})
+        for piece in bucket.pieces:
+            state = self.optimizer.state.get(piece.tensor, {})
+            for key, value in state.items():
+                if not (isinstance(value, torch.Tensor) and value.shape == piece.tensor.shape and value.dim()):
+                    continue  # a scalar (Adam's step) stays in memory
+                if key not in regions or value.dtype != regions[key].dtype:
+                    raise ValueError(
+                        f"offload to disk: {type(self.optimizer).__name__} made per-element state {key!r} "
+                        f"({value.dtype}) that a step of it at construction did not (it made "
+                        f"{sorted(self.layout) or 'none'}); such an optimizer cannot be offloaded to disk. Use "
+                        "offload.optimizer='cpu'."
+                    )
+                target = regions[key].data.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+                if value.data_ptr() != target.data_ptr():
+                    target.copy_(value)
+                    state[key] = target
+
+
+def per_element_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.dtype]:
+    """The keys and dtypes of the state tensors ``optimizer`` keeps per element, learned by one step of a copy
+    of it, with each param group's settings, over a two-element parameter on the host."""
+    keys: dict[str, torch.dtype] = {}
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        param = torch.zeros(2, requires_grad=True)
+        try:
+            probe = type(optimizer)([{"params": [param], **settings}])
+            param.grad = torch.ones(2)
+            type(probe).step(probe)
+        except Exception as err:  # noqa: BLE001 (any failure: the optimizer cannot be probed)
+            raise ValueError(
+                f"offload to disk steps a two-element copy of {type(optimizer).__name__} to learn what state it "
+                f"keeps per element, and that failed ({type(err).__name__}: {err}). Use offload.optimizer='cpu'."
+            ) from err
+        for key, value in probe.state[param].items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                keys[key] = value.dtype
+    return keys
