@@ -1,6 +1,10 @@
-"""CPU offload in the shared worlds: each stage with offload against the same run without it."""
+"""CPU and disk offload in the shared worlds: each stage with offload against the same run without it."""
 
 from __future__ import annotations
+
+import gc
+import os
+import tempfile
 
 import torch
 
@@ -79,13 +83,25 @@ def split_memory(rank: int, world_size: int, stage: int, what: str) -> dict:
 
 
 def offload_checks(rank: int, world_size: int) -> dict:
-    """Per (stage, offloaded buffers, precision): (with offload, without); and the memory split."""
+    """Per (stage, offloaded buffers, precision): (with offload, without), to CPU and to disk (a directory per
+    rank); and the memory split."""
+    plain = {(s, name): run(rank, world_size, s, {}, p) for s in (1, 2, 3) for name, p in PRECISIONS.items()}
+    with tempfile.TemporaryDirectory() as path:
+        on_disk = {
+            (stage, what, name): run(rank, world_size, stage, {what: "disk", "path": path}, p)
+            for stage, what in CASES
+            for name, p in PRECISIONS.items()
+        }
+        gc.collect()  # (the optimizers and models of the runs above, held in reference cycles)
+        left = os.listdir(path)  # every file removed as its optimizer was collected
     return {
         "parity": {
-            (stage, what, name): (run(rank, world_size, stage, {what: "cpu"}, p), run(rank, world_size, stage, {}, p))
+            (stage, what, name): (run(rank, world_size, stage, {what: "cpu"}, p), plain[stage, name])
             for stage, what in CASES
             for name, p in PRECISIONS.items()
         },
+        "disk": {key: (got, plain[key[0], key[2]]) for key, got in on_disk.items()},
+        "disk_left": left,
         "memory": {(stage, what): split_memory(rank, world_size, stage, what) for stage, what in CASES},
         "delayed": {stage: run_delayed(rank, world_size, stage) for stage in (2, 3)},
     }

@@ -1,4 +1,4 @@
-"""CPU offload changes no number, at world sizes 1, 2 and 3 (``offload_world.offload_checks``)."""
+"""CPU and disk offload change no number, at world sizes 1, 2 and 3 (``offload_world.offload_checks``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,17 @@ def test_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
         offloaded, on_device = result["offload"]["parity"][(stage, what, precision)]
         assert torch.equal(offloaded, on_device), f"rank {rank}"
         assert torch.isfinite(offloaded).all()
+
+
+@pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_disk_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
+    """Offload to disk (a file per rank, uneven shards at 3 ranks) changes no number either."""
+    _, results = world
+    for rank, result in enumerate(results):
+        on_disk, on_device = result["offload"]["disk"][(stage, what, precision)]
+        assert torch.equal(on_disk, on_device), f"rank {rank}"
+        assert result["offload"]["disk_left"] == [], f"rank {rank}"
 
 
 @pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))

@@ -28,7 +28,7 @@ from zero.precision import (
     full_precision_parameters,
 )
 from zero.runtime.delayed import DelayedStep
-from zero.runtime.disk import HEADER_BYTES, DiskPlacement, OffloadFile, check_disk_space
+from zero.runtime.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
 from zero.runtime.gatherer import ParamGatherer
 from zero.runtime.inner import check_optimizer, rebuild_optimizer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
@@ -71,7 +71,7 @@ def build_runtime(
     meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
     if config.sync_module_states:
         _broadcast_module_states(model, comm, skip=meta)
-    placements = placements or Placements.of(config.offload, comm.device, _disk(optimizer, model, config, stage, comm))
+    placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
     partition = _build_partition(optimizer, model, config, stage, comm, placements)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
@@ -162,6 +162,7 @@ def _build_partition(
     check_host_memory(offload, -(-trainable // num_shards), param_bytes)
     full = _full_precision(model, config)
     plan = _unit_planner(model, config) if isinstance(stage, Stage3) else None
+    state = per_element_state(optimizer) if placements.disk is not None else {}
     return build_partition(
         optimizer,
         model,
@@ -172,36 +173,17 @@ def _build_partition(
         device=comm.device,
         dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
         placements=placements,
+        check=None if placements.disk is None else lambda plan: check_disk_space(
+            offload.path, planned_disk_bytes(plan, state)
+        ),
     )
 
 
-def _disk(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: ZeroConfig, stage: Stage, comm: Communicator
-) -> DiskPlacement | None:
-    """With offload to disk, this rank's file, made once its free space is checked."""
-    offload = config.offload
-    if not offload.on_disk:
+def _disk(config: ZeroConfig, comm: Communicator) -> DiskPlacement | None:
+    """With offload to disk, this rank's file (made at its first allocation, once the plan's bytes fit)."""
+    if not config.offload.on_disk:
         return None
-    check_disk_space(offload.path, disk_bytes(optimizer, model, config, stage.num_shards(comm.world_size)))
-    return DiskPlacement(OffloadFile(offload.path, comm.rank, comm.world_size))
-
-
-def disk_bytes(optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: ZeroConfig, num_shards: int) -> int:
-    """Bytes of this rank's offload file, computed before it is made (an upper bound: every gradient shard written at
-    once, a page more per bucket not counted): per element of this rank's chunk of the trainable parameters, the fp32
-    master, the reduced gradient (and its fp32 copy when reduced in another dtype) and the optimizer's per-element
-    state; with ``params='disk'`` also its chunk of every parameter, in the compute dtype."""
-    precision = config.precision
-    chunk = lambda numel: -(-numel // num_shards)  # noqa: E731
-    reduce = DTYPES[precision.reduce_dtype].itemsize if precision.enabled and precision.reduce_dtype else 4
-    state = sum(dtype.itemsize for dtype in per_element_state(optimizer).values())
-    per_element = 4 + reduce + (4 if reduce != 4 else 0) + state
-    trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    nbytes = chunk(trainable) * per_element + HEADER_BYTES
-    if config.offload.params == "disk":
-        param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
-        nbytes += chunk(sum(p.numel() for p in model.parameters())) * param_bytes
-    return nbytes
+    return DiskPlacement(OffloadFile(config.offload.path, comm.rank, comm.world_size))
 
 
 def _paging(inner: torch.optim.Optimizer, partition: Partition, placements: Placements, config: ZeroConfig) -> Resident:

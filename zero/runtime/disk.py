@@ -11,11 +11,12 @@ right after, so the kernel overlaps reads, the step and writes.
 Note: why memory mapping, not ``preadv``/``pwritev`` into a pool of staging buffers or io_uring. A mapped
 region is a plain tensor, so nothing above the placement changes and no value is copied twice; the kernel's
 read-ahead and write-back run on their own threads, which is the pipeline we would otherwise build. A
-released buffer (a gradient shard between steps) is a hole punched in the file (``MADV_REMOVE``): reading it
-costs no I/O and writing it does not first read the stale bytes. ``benchmarks/disk_offload.py`` measures the
-step against this disk's own sequential bandwidth.
+released buffer (a gradient shard between steps) is a hole punched in the file (``MADV_REMOVE``), allocated again
+(as zeros) when it is restored: writing it then neither reads the stale bytes first nor writes them back.
+``benchmarks/disk_offload.py`` measures the step against this disk's own sequential bandwidth.
 
-Robustness: free space is checked before anything is allocated (:func:`check_disk_space`); every region is
+Robustness: free space is checked before anything is allocated (:func:`check_disk_space`, with the bytes the stage
+plan puts on disk, :func:`planned_disk_bytes`; the file is created at the first allocation); every region is
 allocated with ``posix_fallocate`` (a full disk fails there, with the bytes needed, never later as a SIGBUS);
 the file's name and header carry a run identity drawn at construction, checked before each use, so a file
 left by an earlier run is never read; the file is removed by ``close()``, when the optimizer is collected, or
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from zero.runtime.placement import HOST, Placement, Where
+from zero.runtime.plan import StagePlan
 
 PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on page boundaries (mmap's offset and madvise need it)
 HEADER_BYTES = PAGE
@@ -77,6 +79,11 @@ class Region:
         """Drop the values: punch a hole (reads give zeros, with no I/O; nothing is written back)."""
         self.mapping.madvise(mmap.MADV_REMOVE, self.start, self.nbytes)
 
+    def restore(self) -> None:
+        """Allocate a discarded region's blocks again (as zeros, with no I/O), so that writing it cannot meet a full
+        disk (that would be a SIGBUS, not an error)."""
+        _allocate(self.file, self.offset, self.nbytes)
+
 
 @dataclass
 class DiskStats:
@@ -97,8 +104,11 @@ class OffloadFile:
         self.size = HEADER_BYTES
         self.arena: tuple[int, mmap.mmap] | None = None  # (file offset, mapping) of the arena regions go into
         self.stats = DiskStats()
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.header = _header(self.run_id, rank, world_size)
+        self.fd = -1  # the file is made at the first reserve()
+
+    def _create(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never an existing file
         self._finalizer = weakref.finalize(self, _remove_if_ours, self.path, self.fd, self.header)
         _allocate(self, 0, HEADER_BYTES)
@@ -109,6 +119,8 @@ class OffloadFile:
 
     def reserve(self, nbytes: int) -> Region:
         """A new region of at least ``nbytes`` (zeros: never written), allocated on disk and mapped."""
+        if self.fd < 0:
+            self._create()
         length = round_up(max(nbytes, 1))
         offset = self.size
         _allocate(self, offset, length)
@@ -125,6 +137,8 @@ class OffloadFile:
     def check(self) -> None:
         """Raise unless the file on disk is still this run's (a header written by another run, or a file
         replaced or truncated under us, must never be read as this run's state)."""
+        if self.fd < 0:
+            return
         try:
             on_disk = os.pread(self.fd, HEADER_BYTES, 0)
             same = os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
@@ -138,7 +152,8 @@ class OffloadFile:
 
     def close(self) -> None:
         """Remove the file (if it is still this run's); the regions stay readable while mapped."""
-        self._finalizer()
+        if self.fd >= 0:
+            self._finalizer()
 
 
 def _header(run_id: str, rank: int, world_size: int) -> bytes:
@@ -171,6 +186,18 @@ def _remove_if_ours(path: Path, fd: int, header: bytes) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def planned_disk_bytes(plan: StagePlan, state: dict[str, torch.dtype]) -> int:
+    """The size of a rank's offload file under ``plan`` (the header, and each buffer the plan puts on disk and each
+    trainable bucket's region per optimizer state key, ``state``, rounded up to pages, as :meth:`OffloadFile.reserve`
+    allocates them)."""
+    nbytes = HEADER_BYTES
+    for bucket in plan.buckets:
+        nbytes += sum(round_up(spec.nbytes) for spec in bucket.buffers if spec.where is Where.DISK and spec.nbytes)
+        if bucket.trainable:
+            nbytes += sum(round_up(bucket.layout.chunk_numel * dtype.itemsize) for dtype in state.values())
+    return nbytes
 
 
 def check_disk_space(directory: str | os.PathLike, needed: int) -> None:
@@ -207,7 +234,7 @@ class DiskPlacement(Placement):
         self.regions[tensor.data_ptr()].discard()
 
     def restore(self, tensor: torch.Tensor) -> None:
-        pass  # a released region is a hole: it reads as zeros and fills as it is written
+        self.regions[tensor.data_ptr()].restore()
 
     def prefetch(self, tensor: torch.Tensor) -> None:
         self.regions[tensor.data_ptr()].prefetch()

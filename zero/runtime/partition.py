@@ -71,6 +71,7 @@ def build_partition(
     device: torch.device | None = None,
     dtypes_of: Callable[[torch.nn.Parameter], BufferDtypes] | None = None,
     placements: Placements | None = None,
+    check: Callable[[StagePlan], None] | None = None,
 ) -> Partition:
     """Pack the optimizer's trainable parameters into buckets (no parameter data is copied yet).
 
@@ -86,7 +87,8 @@ def build_partition(
     ``device`` but are not copied (see :mod:`zero.runtime.materialize`). ``dtypes_of(p)`` gives the
     buffers' dtypes for ``p`` (``zero.precision``; default: its own dtype throughout); a bucket
     holds parameters of one kind only. ``policy`` says what the stage keeps per bucket and ``placements``
-    where (default: everything on the parameters' device).
+    where (default: everything on the parameters' device). ``check`` sees the whole plan before any buffer is
+    allocated (e.g. that the disk has room for it).
     """
     dtypes_of = dtypes_of or (lambda p: BufferDtypes(p.dtype, p.dtype, p.dtype))
     names = {p: name for name, p in model.named_parameters()}
@@ -140,16 +142,20 @@ def build_partition(
         bucket_cap=bucket_cap,
         num_shards=policy.num_shards,
     )
+    firsts = [packed[layout.spans[0].param_index] for layout in layouts]
+    where = [placements or Placements.on(DevicePlacement(device_of(first))) for first in firsts]
+    stage_plan = StagePlan(policy, shard_index, tuple(
+        plan_bucket(policy, layout, dtypes_of(first), first.requires_grad, here)
+        for layout, first, here in zip(layouts, firsts, where)
+    ))
+    if check is not None:
+        check(stage_plan)
     buckets = []
-    for layout in layouts:
-        first = packed[layout.spans[0].param_index]
-        here = placements or Placements.on(DevicePlacement(device_of(first)))
-        bucket_plan = plan_bucket(policy, layout, dtypes_of(first), first.requires_grad, here)
+    for bucket_plan, first, here in zip(stage_plan.buckets, firsts, where):
         bucket = Bucket(bucket_plan, shard_index, device_of(first), here)
         bucket.unit = units[unit_of[first]] if units else None
-        for span in layout.spans:
+        for span in bucket_plan.layout.spans:
             p = packed[span.param_index]
             bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p]))
         buckets.append(bucket)
-    stage_plan = StagePlan(policy, shard_index, tuple(bucket.plan for bucket in buckets))
     return Partition(buckets, frozen, units, stage_plan)
