@@ -41,7 +41,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 from pydantic import ValidationError
@@ -50,6 +50,8 @@ from zero.checkpoint import tensorfile
 from zero.checkpoint.directory import CHECKSUM, METADATA, resolve
 from zero.checkpoint.schema import FORMAT, CheckpointMetadata, TensorRecord, entries_of, summary
 from zero.checkpoint.tensorfile import numel_of
+
+StateTarget = Callable[[str, torch.dtype], Optional[torch.Tensor]]  # (key, dtype) -> where to read it
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,12 @@ class Checkpoint:
         self.read(name, 0, out.numel(), out, check=check)
         return out.view(record.shape)
 
-    def read_state(self, name: str, start: int, numel: int) -> dict[str, torch.Tensor]:
+    def read_state(
+        self, name: str, start: int, numel: int, into: StateTarget | None = None
+    ) -> dict[str, torch.Tensor]:
         """The optimizer state of elements ``[start, start + numel)`` of ``name``: each state tensor cut to that
-        range (0-dim ones, such as ``step``, from the first piece). Empty when it was saved without state."""
+        range (0-dim ones, such as ``step``, from the first piece). Empty when it was saved without state.
+        ``into(key, dtype)`` may give the tensor to read a state key into (offload to disk: its region of the file)."""
         pieces = self.overlapping(name, start, numel)
         names = {tuple(sorted(p.state)) for p in pieces}
         if len(names) != 1:
@@ -156,7 +161,8 @@ class Checkpoint:
             if first.shape == ():
                 state[key] = self._read(pieces[0].file, pieces[0].state[key], 0, 1).reshape(())
                 continue
-            out = torch.empty(numel, dtype=first.torch_dtype)
+            out = into(key, first.torch_dtype) if into is not None else None
+            out = torch.empty(numel, dtype=first.torch_dtype) if out is None else out
             for piece in pieces:
                 lo, hi = max(start, piece.start), min(start + numel, piece.end)
                 self._read_into(piece.file, piece.state[key], lo - piece.start, out.narrow(0, lo - start, hi - lo))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -160,7 +161,7 @@ def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
         for tensor in group["params"]:
             piece = piece_of[id(tensor)]
             saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
-                                    piece.piece.numel)
+                                    piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece))
             if saved:
                 state[index] = saved
             ids.append(index)

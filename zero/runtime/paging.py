@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from zero.runtime.bucket import Bucket
+from zero.runtime.bucket import Bucket, LocalPiece
 from zero.runtime.flat_buffer import FlatBuffer
 from zero.runtime.placement import Placement
 
@@ -34,6 +34,10 @@ class Resident:
 
     def adopt_state(self, buckets: list[Bucket]) -> None:
         pass
+
+    def state_target(self, piece: LocalPiece, key: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a loaded state tensor of ``piece`` should be read to (``None``: anywhere in memory)."""
+        return None
 
 
 class DiskPaging(Resident):
@@ -60,6 +64,13 @@ class DiskPaging(Resident):
         """Move the optimizer state ``torch.optim`` made in memory (``load_state_dict``) into the file."""
         for _ in self.walk(buckets):
             pass
+
+    def state_target(self, piece: LocalPiece, key: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The piece's view of its region for ``key`` in the file (so that a load writes it there, not in memory)."""
+        region = self.state.regions.get(piece.slot.bucket.index, {}).get(key)
+        if region is None or region.dtype != dtype:
+            return None
+        return region.data.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
     def prefetch(self, bucket: Bucket, grads_only: bool = False) -> None:
         for buffer in self._buffers(bucket, grads_only):
