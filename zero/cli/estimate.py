@@ -1,4 +1,5 @@
-"""``zero estimate``: which stage, offload, checkpointing and micro-batch fit a GPU, before a run."""
+"""``zero estimate``: which stage, offload, checkpointing and micro-batch fit a GPU (and the host's memory), before
+a run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_ra
 from zero.config import ZeroConfig
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, plan
+from zero.estimator.offloading import BUFFER_COUNTS, DISK_PATH, OffloadChoice
 from zero.estimator.workload import POLICIES, Workload
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
@@ -23,6 +25,7 @@ PRECISION_POLICIES: dict[str, dict[str, str]] = {
 
 # the accepted ranges (inclusive)
 GPU_MEMORY = (MiB, 16 * TiB)
+HOST_MEMORY = (MiB, 64 * TiB)
 WORLD_SIZES = (1, 2**20)
 MICRO_BATCHES = (1, 2**16)
 SHOWN = (1, 10_000)
@@ -31,6 +34,13 @@ SHOWN = (1, 10_000)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=memory_size(*GPU_MEMORY), required=True, metavar="SIZE",
                         help=f"per-GPU memory, e.g. 24 or 80GB, {size_range(*GPU_MEMORY)} ({SIZE_HELP})")
+    parser.add_argument("--host-memory", type=memory_size(*HOST_MEMORY), default=None, metavar="SIZE",
+                        help=f"host memory each rank may use for offloaded state, e.g. 64 or 200GB, "
+                        f"{size_range(*HOST_MEMORY)} ({SIZE_HELP}); with it, offload to disk is priced too and a "
+                        "configuration whose host bytes exceed it does not fit (default: no host budget)")
+    parser.add_argument("--buffer-count", type=whole_number(*BUFFER_COUNTS), default=2,
+                        help=f"with offload to disk: buckets mapped in host memory at a time (offload.buffer_count), "
+                        f"{whole_number_range(*BUFFER_COUNTS)} (default 2)")
     parser.add_argument("--world-size", type=whole_number(*WORLD_SIZES), default=8,
                         help=f"data-parallel ranks, i.e. GPUs, {whole_number_range(*WORLD_SIZES)} (default 8)")
     parser.add_argument("--micro-batch", type=whole_number(*MICRO_BATCHES), nargs="+", default=[1, 2, 4, 8],
@@ -67,8 +77,11 @@ def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"stage": e.stage}
     if PRECISION_POLICIES[e.precision]:
         kwargs["precision"] = PRECISION_POLICIES[e.precision]
-    if e.offload:
-        kwargs["offload"] = {"optimizer": "cpu"}
+    # (an Estimate; or anything with stage, precision, offload (a bool: CPU offload) and checkpointing)
+    optimizer = getattr(e, "optimizer_offload", "cpu" if e.offload else "none")
+    params = getattr(e, "params_offload", "none")
+    if optimizer != "none" or params != "none":
+        kwargs["offload"] = OffloadChoice(optimizer, params, getattr(e, "buffer_count", 2)).config()
     if e.checkpointing:
         kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
     return kwargs
@@ -107,10 +120,12 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
-                  precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress)
+                  precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress,
+                  host_memory=args.host_memory, buffer_count=args.buffer_count)
     budget = 0.9 * args.gpu_memory
+    host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
     print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
-          f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)})")
+          f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)}){host}")
     shown = result.fits[: args.show]
     if shown:
         print(f"\nfits, best first ({len(result.fits)}):")
@@ -118,6 +133,9 @@ def _plan_and_print(args: argparse.Namespace) -> int:
         zero_config(shown[0])  # validated as ZeroOptimizer will: a configuration it refuses would fail here
         kwargs = ", ".join(f"{k}={v!r}" for k, v in zero_config_kwargs(shown[0]).items())
         print(f"to run the first: ZeroOptimizer(optimizer, model, {kwargs})")
+        if shown[0].optimizer_offload == "disk":
+            print(f"  (the offload path {DISK_PATH!r} stands for yours, on a local NVMe disk: each rank's file takes "
+                  f"{format_bytes(shown[0].disk)})")
     else:
         print("\nnothing fits: even the smallest configuration is too large (see below); add ranks or memory")
     rejected = sorted(result.rejected, key=lambda r: r[0].peak)[: args.show]
@@ -144,17 +162,20 @@ def _count(n: int, noun: str) -> str:
 
 
 def _label(e: Estimate) -> str:
-    extras = [x for x, on in (("checkpointing", e.checkpointing), ("offload", e.offload)) if on]
+    offload = "disk offload" if e.optimizer_offload == "disk" else "offload"
+    extras = [x for x, on in (("checkpointing", e.checkpointing), (offload, e.offload)) if on]
     return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
 
 
 def _table(rows: list[Estimate]) -> None:
-    columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host")
-    width = max(len(_label(e)) for e in rows)  # "stage 3, micro-batch 16, checkpointing + offload"
-    print(f"  {'configuration':<{width}} " + " ".join(f"{c:>9}" for c in columns) + "  peak at  (host: CPU memory)")
+    disk = any(e.optimizer_offload == "disk" for e in rows)  # (a disk column only when offload to disk is shown)
+    columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host") + ("disk",) * disk
+    width = max(len(_label(e)) for e in rows)  # "stage 3, micro-batch 16, checkpointing + disk offload"
+    legend = "(host: CPU memory; disk: the offload file)" if disk else "(host: CPU memory)"
+    print(f"  {'configuration':<{width}} " + " ".join(f"{c:>9}" for c in columns) + f"  peak at  {legend}")
     for e in rows:
         figures = [e.peak, e.parameters, e.gradients, e.optimizer_state, e.activations, e.temporaries,
-                   e.communication, e.host]
+                   e.communication, e.host] + [e.disk] * disk
         print(f"  {_label(e):<{width}} " + " ".join(f"{format_bytes(v):>9}" for v in figures) + f"  {_where(e)}")
 
 

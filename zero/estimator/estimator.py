@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero.activations import MATMULS
+from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
 from zero.estimator.schedule import Options, replay
 from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
@@ -183,13 +184,17 @@ class Estimate:
     world_size: int
     micro_batch: int
     precision: str
-    offload: bool
+    offload: bool  # the optimizer's side is off the device (in host memory or on disk: see optimizer_offload)
     checkpointing: bool
-    categories: dict[str, float]
-    host: float  # CPU memory for offloaded optimizer state
+    categories: dict[str, float]  # device memory
+    host: float  # host memory for what offload keeps there (on disk: the window of buckets mapped at a time)
     phase: str  # "forward", "backward" or "step"
     module: str
     event: str  # e.g. "gradient reduction", "add operator", "optimizer step"
+    disk: float = 0.0  # the offload file (offload to disk), else 0
+    optimizer_offload: str = "none"  # where the optimizer's side lives: "none" (the device), "cpu" or "disk"
+    params_offload: str = "none"  # stage 3's parameter shards: "none" (the device), "cpu" or "disk"
+    buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
 
     @property
     def peak(self) -> float:
@@ -204,7 +209,8 @@ class Estimate:
         """The fields, with bytes as whole numbers (rounded: an optimizer's state per element can be fractional)
         and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
         categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
-        return {**asdict(self), "categories": categories, "host": round(self.host), "peak": sum(categories.values())}
+        return {**asdict(self), "categories": categories, "host": round(self.host), "disk": round(self.disk),
+                "peak": sum(categories.values())}
 
 
 def estimate(
@@ -214,12 +220,14 @@ def estimate(
     world_size: int,
     micro_batch: int,
     precision: str = "fp32",
-    offload: bool = False,
+    offload: OffloadArg = "none",
     checkpointing: Checkpointing = False,
     bucket_size_mb: float = 25,
     max_in_flight_buckets: int = 2,
     prefetch_units: int = 1,
     no_sync: bool = False,
+    params_offload: str = "none",
+    buffer_count: int = 2,
 ) -> Estimate:
     """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
@@ -232,28 +240,34 @@ def estimate(
     ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList``
     (``ZeroConfig(activation_checkpointing={})``), or a policy as ``ZeroConfig.activation_checkpointing`` takes it
     (a dict or :class:`zero.ActivationCheckpointing`);
-    ``offload``: the optimizer on the host (``ZeroConfig(offload={"optimizer": "cpu"})``); ``no_sync``: gradient
-    accumulation with earlier micro-batches under ``opt.no_sync()`` (the Trainer's and Accelerate's way), which
-    keeps the gradients whole until the last micro-batch's backward reduces them (at stages 2-3 too).
+    ``offload``: where the optimizer's side (fp32 master, gradient shard, optimizer state) lives, ``"none"`` (the
+    device), ``"cpu"`` (``ZeroConfig(offload={"optimizer": "cpu"})``) or ``"disk"`` (``{"optimizer": "disk", "path":
+    ...}``; ``False`` and ``True`` read as ``"none"`` and ``"cpu"``), stages 1-3; ``params_offload``: stage 3's
+    parameter shards, ``"cpu"`` or ``"disk"`` (``offload={"params": ...}``, which takes the optimizer's side along);
+    ``buffer_count``: with disk, how many buckets are mapped in host memory at a time. The estimate's ``categories``
+    are device memory, ``host`` host memory (with disk: ``buffer_count`` of the largest buckets' files) and ``disk``
+    the offload file. ``no_sync``: gradient accumulation with earlier micro-batches under ``opt.no_sync()`` (the
+    Trainer's and Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces
+    them (at stages 2-3 too).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     _precision(precision)
-    if offload and stage == 0:
-        raise ValueError("offload needs stage 1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
-    layout = workload.layout(stage, world_size, precision, bucket_size_mb)
+    choice = offload_choice(offload, params_offload, stage, buffer_count)
+    layout = workload.layout(stage, world_size, precision, bucket_size_mb, choice)
     peak = replay(
         workload.timeline(micro_batch, precision, checkpointing),
         layout,
         workload.step(layout, precision),
-        Options(offload, max_in_flight_buckets, prefetch_units, no_sync),
+        Options(choice, max_in_flight_buckets, prefetch_units, no_sync),
     )
     return Estimate(
-        stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=offload,
-        checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.host, phase=peak.phase,
-        module=peak.module, event=peak.event,
+        stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=choice.offloaded,
+        checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
+        module=peak.module, event=peak.event, disk=peak.off.disk, optimizer_offload=choice.optimizer,
+        params_offload=choice.params, buffer_count=choice.buffer_count,
     )
 
 
@@ -273,40 +287,59 @@ def plan(
     headroom: float = 0.9,
     no_sync: bool = False,
     progress: Callable[[str], None] | None = None,
+    host_memory: float | None = None,
+    buffer_count: int = 2,
 ) -> Plan:
     """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
-    ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), best first.
+    ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), and whose host bytes fit in
+    ``host_memory`` when it is given, best first.
 
+    Offload is ``"none"`` and ``"cpu"`` (stages 1-3), and with a ``host_memory`` budget (bytes of host memory this
+    rank may use) also ``"disk"`` (``buffer_count`` buckets mapped at a time): without a host budget offload to
+    the CPU fits wherever offload to disk does (the same device bytes) and is faster.
     Best means most tokens per step for the least extra work: larger micro-batches first, then
-    no checkpointing (it recomputes the forward), no offload (host transfers), lower stage
-    (stage 3 moves 1.5x the data). ``precision`` (``"fp32"`` by default) and ``no_sync``: see :func:`estimate`.
+    no checkpointing (it recomputes the forward), no offload before CPU offload before disk (host transfers, then
+    disk reads and writes: the slowest), lower stage (stage 3 moves 1.5x the data).
+    ``precision`` (``"fp32"`` by default) and ``no_sync``: see :func:`estimate`.
     ``progress`` is told about each trace as it starts."""
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
+    if host_memory is not None and host_memory <= 0:
+        raise ValueError(f"host memory must be positive (or None: no host budget), got {host_memory}")
     budget = headroom * gpu_memory
+    offloads = OFFLOADS if host_memory is not None else OFFLOADS[:2]
     fits, rejected = [], []
     for micro in micro_batches:
         for checkpointing in (False, True):
             if progress is not None:
                 progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
-            for offload in (False, True):
-                for stage in STAGES[1:] if offload else STAGES:  # offload needs stage 1-3 (zero.offload)
+            for offload in offloads:
+                for stage in STAGES[1:] if offload != "none" else STAGES:  # offload needs stage 1-3 (zero.offload)
                     e = estimate(
                         workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
-                        offload=offload, checkpointing=checkpointing, no_sync=no_sync,
+                        offload=offload, checkpointing=checkpointing, no_sync=no_sync, buffer_count=buffer_count,
                     )
-                    if e.peak <= budget:
-                        fits.append(e)
+                    why = _why(e, budget, host_memory)
+                    if why:
+                        rejected.append((e, why))
                     else:
-                        rejected.append((e, _why(e, budget)))
-    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, e.offload, e.stage))
+                        fits.append(e)
+    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.stage))
     return Plan(fits, rejected)
 
 
-def _why(e: Estimate, budget: float) -> str:
-    largest = max(e.categories, key=e.categories.get)
-    return (f"needs {format_bytes(e.peak)} > {format_bytes(budget)} at {e.event} ({e.phase}); largest part: "
-            f"{largest.replace('_', ' ')} {format_bytes(e.categories[largest])}")
+def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
+    """Why ``e`` does not fit (device, then host memory), or ``""``."""
+    reasons = []
+    if e.peak > budget:
+        largest = max(e.categories, key=e.categories.get)
+        reasons.append(f"needs {format_bytes(e.peak)} > {format_bytes(budget)} at {e.event} ({e.phase}); largest "
+                       f"part: {largest.replace('_', ' ')} {format_bytes(e.categories[largest])}")
+    if host_budget is not None and e.host > host_budget:
+        held = (f"a window of {e.buffer_count} buckets of the offload file" if e.optimizer_offload == "disk"
+                else "master weights, gradients and optimizer state")
+        reasons.append(f"needs {format_bytes(e.host)} of host memory > {format_bytes(host_budget)} ({held})")
+    return "; ".join(reasons)
 
 
 def _precision(name: str) -> Precision:

@@ -18,7 +18,8 @@ the optimizer itself would build (``zero.runtime.partition.build_partition`` on 
 * optimizer state, master weights and the step's own temporaries, from a traced step of the wrapped
   optimizer on one bucket's chunk (``StepTrace``), and after the step of every bucket;
 
-and reports the largest total over the step with its breakdown (the tracker's categories).
+and reports the largest total over the step with its breakdown (the tracker's categories). What offload keeps
+off the device is reported beside it (:mod:`zero.estimator.offloading`): host memory and the offload file.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from zero.estimator.offloading import OffBytes, OffloadChoice, window
 from zero.estimator.timeline import Point, Timeline
 from zero.runtime.reduction_order import ReductionOrder
 
@@ -44,6 +46,8 @@ class BucketBytes:
     elements: int  # this rank's chunk in elements: what the wrapped optimizer steps
     pieces: tuple[int, ...]  # the parameters' pieces in that chunk (elements), as the optimizer sees them
     unit: str | None  # stage 3: the unit that gathers it
+    host: int = 0  # its buffers the plan puts in host memory (offload to the CPU)
+    disk: int = 0  # the offload file's bytes for it: its buffers there and its optimizer state (page-rounded)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Layout:
     staged: bool  # reductions copy into a staging buffer (stages 2-3; stages 0-1 under some precisions)
     grad_buffer: int  # stages 0-1: the persistent gradient buckets
     units: tuple[str, ...] = ()  # stage 3, root first
+    disk: int = 0  # offload to disk: the offload file (zero.runtime.disk.planned_disk_bytes)
+    disk_state: int = 0  # ... of which bytes per element of optimizer state (the rest of the state stays in memory)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class StepTrace:
 class Options:
     """The ``ZeroConfig`` settings the schedule depends on besides the layout."""
 
-    offload: bool = False
+    offload: OffloadChoice = OffloadChoice()  # where the optimizer's side and stage 3's shards live
     max_in_flight: int = 2
     prefetch: int = 1
     no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
@@ -86,7 +92,7 @@ class Peak:
     phase: str
     module: str
     event: str
-    host: float = 0.0
+    off: OffBytes = OffBytes(0.0, 0.0)  # host memory and disk
 
     @property
     def total(self) -> float:
@@ -140,7 +146,7 @@ class _Reduction:
 
     def _complete(self, on_peak: Callable[[], None]) -> None:
         bucket, _ = self.order.oldest()
-        if not self.options.offload:
+        if not self.options.offload.offloaded:
             self.shards += bucket.grad_shard
             on_peak()  # the chunk is kept (a new shard) before the staging buffer goes
         self.order.completed()
@@ -235,22 +241,22 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     buckets = [b for b in layout.buckets if b.params]
     master = sum(b.master for b in buckets)
     state = step.state_per_element * sum(b.elements for b in buckets)
-    host = 0.0
-    if options.offload:
-        host = master + state + sum(b.grad_shard for b in buckets)
+    off = _off_device(layout, step, options.offload)
+    if options.offload.offloaded:  # the optimizer's side, its state included, is off the device
         master, state = 0, 0.0
-    params_static = (sum(b.shard for b in layout.buckets) if layout.stage == 3
+    shards_here = options.offload.params == "none"  # stage 3's shards on the device
+    params_static = (sum(b.shard for b in layout.buckets) * shards_here if layout.stage == 3
                      else sum(b.whole for b in layout.buckets))
     params_static += layout.frozen
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
     reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged else None
     gathering = _gathering(timeline, layout, options) if layout.stage == 3 else None
-    best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", host)
+    best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", off)
 
     def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
         nonlocal best
         if sum(categories.values()) > best.total:
-            best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, host)
+            best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, off)
 
     def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
         communication = (reduction.staging if reduction is not None else 0) + (
@@ -297,12 +303,26 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     if gathering is not None:
         gathering.release_all()
     grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
-    master_grads = 0 if options.offload else sum(b.master_grad for b in buckets)
-    on_device = 0.0 if options.offload else 1.0  # an offloaded step runs on the host
+    master_grads = 0 if options.offload.offloaded else sum(b.master_grad for b in buckets)
+    on_device = 0.0 if options.offload.offloaded else 1.0  # an offloaded step runs on the host
     for temporaries, gradients in ((step.adopt, grads), (step.update, grads + master_grads)):
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
     return best
+
+
+def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffBytes:
+    """Host memory and disk: the buffers the plans put there, and the optimizer's state with its side. On disk the
+    file holds the state tensors shaped like the parameters (``layout.disk_state`` bytes per element); what else the
+    optimizer keeps (Adam's step counts) stays in memory, beside the window of buckets mapped from the file."""
+    resident = float(sum(b.host for b in layout.buckets))
+    if not offload.offloaded:
+        return OffBytes(resident, 0.0)
+    state = step.state_per_element * sum(b.elements for b in layout.buckets)
+    if not offload.on_disk:
+        return OffBytes(resident + state, 0.0)
+    loose = state - layout.disk_state * sum(b.elements for b in layout.buckets)
+    return OffBytes(resident + loose + window([b.disk for b in layout.buckets], offload.buffer_count), layout.disk)
 
 
 def _widening(layout: Layout) -> float:

@@ -15,10 +15,13 @@ import torch
 from torch import nn
 
 from zero.activations import ActivationCheckpointing, checkpoint_activations
+from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
 from zero.precision import DTYPES, MixedPrecision, full_precision_parameters
 from zero.runtime.bucket import adopt_edits_
+from zero.runtime.disk import planned_disk_bytes
+from zero.runtime.paging import per_element_state
 from zero.runtime.partition import build_partition
 from zero.runtime.plan import BucketPlan, Role
 from zero.runtime.stages import make_stage
@@ -77,6 +80,7 @@ class Workload:
         self._models: dict[tuple[str, str], nn.Module] = {}
         self._timelines: dict[tuple[int, str, str], Timeline] = {}
         self._steps: dict[tuple[Any, ...], StepTrace] = {}
+        self._disk_state_keys: dict[str, torch.dtype] | None = None
 
     # ----- the model, on fake tensors -------------------------------------------------------------------
 
@@ -158,11 +162,14 @@ class Workload:
 
     # ----- what ZeroOptimizer builds -----------------------------------------------------------------------
 
-    def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25) -> Layout:
-        """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning."""
+    def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25,
+               offload: OffloadChoice = OffloadChoice()) -> Layout:
+        """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
+        ``offload``'s placements: which buffers are off the device, and where)."""
         model = self.model(precision)
         policy = POLICIES[precision]
         stage_policy = make_stage(stage, policy).policy(world_size)
+        state = self._disk_state() if offload.on_disk else {}
         with self.mode:
             full = full_precision_parameters(model)
             partition = build_partition(
@@ -173,9 +180,12 @@ class Workload:
                 shard_index=0,
                 plan=partial(plan_units, model, unit_classes=None, unit_size_bytes=None) if stage == 3 else None,
                 dtypes_of=lambda p: policy.dtypes(p.dtype, full=p in full),
+                placements=offload.placements() if offload.offloaded else None,
             )
         bucketed = {id(slot.param) for b in partition.buckets for slot in b.slots}
-        priced = tuple(_priced(b.plan, tuple(s.name for s in b.slots), b.unit) for b in partition.buckets)
+        stage_plan = partition.plan
+        priced = tuple(_priced(b.plan, tuple(s.name for s in b.slots), b.unit, file_bytes(stage_plan, b.plan, state))
+                       for b in partition.buckets)
         return Layout(
             stage=stage,
             buckets=priced,
@@ -184,7 +194,15 @@ class Workload:
             staged=partition.plan.policy.staged,
             grad_buffer=sum(plan.nbytes(Role.GRADS) for plan in partition.plan.buckets),
             units=tuple(u.name for u in partition.units),
+            disk=planned_disk_bytes(stage_plan, state) if offload.on_disk else 0,
+            disk_state=sum(dtype.itemsize for dtype in state.values()),
         )
+
+    def _disk_state(self) -> dict[str, torch.dtype]:
+        """The optimizer's per-element state that offload to disk keeps in the file, by the runtime's own probe."""
+        if self._disk_state_keys is None:  # (on a real two-element parameter, outside the fake mode)
+            self._disk_state_keys = per_element_state(self.optimizer([torch.zeros(2, requires_grad=True)]))
+        return self._disk_state_keys
 
     def step(self, layout: Layout, precision: str = "fp32") -> StepTrace:
         """What ``ZeroOptimizer.step()`` holds besides the buffers, traced on fake tensors: the wrapped optimizer's
@@ -229,7 +247,7 @@ class Workload:
         return self._steps[key]
 
 
-def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any) -> BucketBytes:
+def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> BucketBytes:
     """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.plan``)."""
     lay, d = plan.layout, plan.dtypes
     return BucketBytes(
@@ -243,6 +261,8 @@ def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any) -> BucketBytes:
         elements=lay.chunk_numel if plan.trainable else 0,
         pieces=tuple(piece.numel for piece in lay.pieces(0)) if plan.trainable else (),
         unit=unit.name if unit is not None else None,
+        host=host_bytes(plan),
+        disk=disk,
     )
 
 
