@@ -8,6 +8,7 @@ Hugging Face GPT-2 built from a config, with its first block frozen (not in the 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -81,16 +82,23 @@ def save_and_continue(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def resume(kind: str, stage: int, path: Path, rank: int, world_size: int) -> dict:
+def resume(kind: str, stage: int, path: Path, rank: int, world_size: int, **overrides) -> dict:
     """A fresh run (other initial weights), loaded from ``path``, trained the remaining steps."""
-    model, opt, scheduler = build(kind, stage, seed=1)
+    model, opt, scheduler = build(kind, stage, seed=1, **overrides)
     extra = zero.load_checkpoint(path, model, opt, scheduler=scheduler, progress=False)
     assert extra == {"next_step": FIRST, "kind": kind}, extra
     return continued(kind, model, opt, scheduler, rank, world_size)
 
 
-def resume_world(rank: int, world_size: int, root: str, stage: int) -> dict:
-    return {(kind, f"resumed{stage}"): resume(kind, stage, Path(root) / kind, rank, world_size) for kind in MODELS}
+def resume_world(rank: int, world_size: int, root: str, stage: int, disk: bool = False) -> dict:
+    """Resumed at ``stage``; with ``disk`` also with stage 3's parameters and optimizer offloaded to disk."""
+    out = {(kind, f"resumed{stage}"): resume(kind, stage, Path(root) / kind, rank, world_size) for kind in MODELS}
+    if disk:
+        with tempfile.TemporaryDirectory() as offload:
+            for kind in MODELS:
+                out[(kind, f"resumed{stage}-disk")] = resume(kind, stage, Path(root) / kind, rank, world_size,
+                                                             offload={"params": "disk", "path": offload})
+    return out
 
 
 def killed_mid_save(rank: int, world_size: int, root: str) -> dict:

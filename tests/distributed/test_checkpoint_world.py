@@ -1,7 +1,8 @@
 """Portable checkpoints across world sizes and stages, in real gloo worlds (``checkpoint_world``).
 
-Saved at N=3, stage 2, after 6 steps; resumed at (N=3, stage 2), (N=3, stage 1), (N=2, stage 3)
-and (N=1, stage 0) with other initial weights, and trained 6 more steps: each must equal the run
+Saved at N=3, stage 2, after 6 steps; resumed at (N=3, stage 2), (N=3, stage 1), (N=2, stage 3, also with its
+parameters and optimizer offloaded to disk) and (N=1, stage 0) with other initial weights, and trained 6 more
+steps: each must equal the run
 that went on without saving. At N=3 it is the same arithmetic, so the numbers are bit-identical.
 At N=2 and N=1 the gradients are summed over other partitions of the batch, so they differ by
 rounding; losses are held to the suite's fp32 tolerance (1e-5 relative), and parameters to the
@@ -28,7 +29,7 @@ PARAM_RTOL = 1e-4
 def resumed(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("portable"))
     results = run_world(save_and_continue, 3, root)[0]
-    results.update(run_world(resume_world, 2, root, 3)[0])
+    results.update(run_world(resume_world, 2, root, 3, True)[0])
     results.update(run_world(resume_world, 1, root, 0)[0])
     return results
 
@@ -44,7 +45,9 @@ def test_same_world_size_resumes_bit_identical(resumed, kind):
 
 
 @pytest.mark.parametrize("kind", MODELS)
-@pytest.mark.parametrize("mode", ["resumed3", "resumed0"], ids=["N2-stage3", "N1-stage0"])
+@pytest.mark.parametrize(
+    "mode", ["resumed3", "resumed3-disk", "resumed0"], ids=["N2-stage3", "N2-stage3-disk", "N1-stage0"]
+)
 def test_other_world_sizes_and_stages_resume(resumed, kind, mode):
     ref, got = resumed[(kind, "reference")], resumed[(kind, mode)]
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)

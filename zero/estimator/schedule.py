@@ -298,14 +298,14 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
         consider(point, gradients=grads_now(point))
         previous = point
 
-    # the step: the gathered units are released; under mixed precision every bucket's masters adopt edits,
-    # then the optimizer's gradients are made for every bucket, then each bucket steps in turn
+    # the step: the gathered units are released; the optimizer's gradients are made for every bucket, then each
+    # bucket in turn adopts edits into its masters (mixed precision) and steps
     if gathering is not None:
         gathering.release_all()
     grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
     master_grads = 0 if options.offload.offloaded else sum(b.master_grad for b in buckets)
     on_device = 0.0 if options.offload.offloaded else 1.0  # an offloaded step runs on the host
-    for temporaries, gradients in ((step.adopt, grads), (step.update, grads + master_grads)):
+    for temporaries, gradients in ((step.adopt, grads + master_grads), (step.update, grads + master_grads)):
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
     return best
