@@ -38,6 +38,11 @@ shard by shard, never whole). Measured in one run:
 
 Targets: step <= 1.3x disk time; peak RSS <= 1.2x (window + largest unit); largest model >= 10x CPU offload's.
 
+On CPU the model's "device" memory (gathered units, activations, gradients) is host memory too, allocated through
+glibc, whose mmap threshold rises as large blocks are freed, so later blocks of that size come from its heap and stay
+resident once freed. ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment fixes the threshold (large blocks are
+mapped and given back when freed); the run records any ``MALLOC_*`` setting, and the figures are published both ways.
+
 Run (the second line: toy size, about two minutes)::
 
     python benchmarks/disk_offload.py --path /local_nvme/zero-bench [--json out.json] [--bandwidth-gib 1] ...
@@ -314,6 +319,7 @@ def machine(args: argparse.Namespace) -> dict:
             "memory_bytes": os.sysconf("SC_PHYS_PAGES") * PAGE_SIZE, "path": str(Path(args.path).resolve()),
             "disk_free_bytes": stat.f_bavail * stat.f_frsize, "kernel": platform.release(),
             "torch": torch.__version__, "python": platform.python_version(),
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},  # glibc's knobs, if set
             "options": {k: v for k, v in vars(args).items() if k != "probe"}}
 
 

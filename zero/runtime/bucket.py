@@ -217,6 +217,18 @@ class Bucket:
         if self.master_grad is not None:
             self.master_grad.free()
 
+    def evict(self) -> None:
+        """Offload to disk: write the buffers back and drop them from memory until their next use (else nothing)."""
+        for buffer in self.offloaded_buffers():
+            buffer.evict()
+
+    def offloaded_buffers(self, grads_only: bool = False) -> list[FlatBuffer]:
+        """The optimizer side's buffers, and stage 3's parameter shard (``grads_only``: the gradient shards only)."""
+        grads = [b for b in (self.grad_shard_buffer, self.master_grad) if b is not None]
+        if grads_only:
+            return grads
+        return grads + [b for b in (self.master_buffer, self.shard_buffer) if b is not None]
+
     # ----- views ----------------------------------------------------------------------------------
 
     def chunk_of(self, buffer: FlatBuffer) -> torch.Tensor:

@@ -80,6 +80,7 @@ def build_runtime(
         if bucket.trainable:
             stage.init_grads(bucket)
         bucket.build_pieces()
+        bucket.evict()  # offload to disk: what was written is not needed in memory until used
     if meta:
         slots = {slot.param: slot for bucket in partition.buckets for slot in bucket.slots}
         materialize(model, meta, slots, init_fn, comm.device)

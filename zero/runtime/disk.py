@@ -42,6 +42,8 @@ from zero.runtime.plan import StagePlan
 PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on page boundaries (mmap's offset and madvise need it)
 HEADER_BYTES = PAGE
 ARENA_BYTES = 1 << 30  # one mapping (and one duplicated descriptor) per GiB of file, not one per region
+# the kernel reads at most its read-ahead size (often 128 KiB to 8 MiB) per MADV_WILLNEED: ask in pieces this big
+WILLNEED_BYTES = 2 << 20
 MAGIC = b"zero offload file\n"
 
 
@@ -66,8 +68,14 @@ class Region:
     def prefetch(self) -> None:
         """Start reading the region into memory (asynchronously, by the kernel's read-ahead)."""
         self.file.check()
-        self.mapping.madvise(mmap.MADV_WILLNEED, self.start, self.nbytes)
+        self._will_need()
         self.file.stats.prefetched += self.nbytes
+
+    def _will_need(self) -> None:
+        """``MADV_WILLNEED`` over the whole region, piece by piece (one call reads only up to the device's read-ahead
+        size; the rest would be read by page faults, whose own read-ahead runs on into the next regions)."""
+        for start in range(self.start, self.start + self.nbytes, WILLNEED_BYTES):
+            self.mapping.madvise(mmap.MADV_WILLNEED, start, min(WILLNEED_BYTES, self.start + self.nbytes - start))
 
     def evict(self) -> None:
         """Unmap the region's pages from this process and start writing the dirty ones back; the values stay."""
@@ -81,8 +89,10 @@ class Region:
 
     def restore(self) -> None:
         """Allocate a discarded region's blocks again (as zeros, with no I/O), so that writing it cannot meet a full
-        disk (that would be a SIGBUS, not an error)."""
+        disk (that would be a SIGBUS, not an error); and map its zero pages in ahead (no I/O either: unwritten blocks),
+        so that writing it does not fault page by page, each fault reading ahead into the next regions."""
         _allocate(self.file, self.offset, self.nbytes)
+        self._will_need()
 
 
 @dataclass

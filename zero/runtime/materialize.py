@@ -192,6 +192,7 @@ def _store(p: nn.Parameter, value: torch.Tensor, slots: dict[nn.Parameter, Param
         p.data = value
         return
     slot.bucket.copy_to_shard(slot, value)
+    slot.bucket.evict()  # offload to disk: written back, not kept in memory
     _release(p, slots)
 
 

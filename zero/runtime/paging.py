@@ -17,6 +17,7 @@ so disk offload changes no number.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Iterator
 
 import torch
@@ -59,6 +60,7 @@ class DiskPaging(Resident):
             yield bucket
             self.state.adopt(bucket)
             self.evict(bucket)
+        trim_heap()  # what the pass freed (the step's temporaries, the state adopt() moved) back to the system
 
     def adopt_state(self, buckets: list[Bucket]) -> None:
         """Move the optimizer state ``torch.optim`` made in memory (``load_state_dict``) into the file."""
@@ -81,11 +83,8 @@ class DiskPaging(Resident):
             buffer.evict()
 
     def _buffers(self, bucket: Bucket, grads_only: bool = False) -> list[FlatBuffer]:
-        grads = [b for b in (bucket.grad_shard_buffer, bucket.master_grad) if b is not None]
-        if grads_only:
-            return grads
-        rest = [b for b in (bucket.master_buffer, bucket.shard_buffer) if b is not None]
-        return grads + rest + list(self.state.regions.get(bucket.index, {}).values())
+        state = [] if grads_only else list(self.state.regions.get(bucket.index, {}).values())
+        return bucket.offloaded_buffers(grads_only) + state
 
 
 class DiskState:
@@ -122,6 +121,17 @@ class DiskState:
                 if value.data_ptr() != target.data_ptr():
                     target.copy_(value)
                     state[key] = target
+
+
+def trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``; elsewhere nothing). glibc keeps freed
+    chunks in its heap (and its mmap threshold rises as large blocks are freed, so more of them land there): without
+    this, the state tensors ``torch.optim`` made in memory at the first step, which :meth:`DiskState.adopt` moved to
+    the file, and the step's temporaries would stay resident after the step."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def per_element_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.dtype]:
