@@ -57,7 +57,9 @@ class Stage3(Stage2):
     def end_unshard(self, bucket: Bucket) -> None:
         """The gather has completed (its handle was waited on): ``param_buffer`` may be read."""
         bucket.param_buffer.end_collective()
-        bucket.shard_buffer.evict()  # on disk: not needed in memory until the next gather or step
+        # on disk: the shard is not needed in memory until the next gather or step (nor are the pages of the bucket's
+        # other regions the kernel mapped in with it: file faults map the cached pages around them)
+        bucket.evict()
 
     def attach(self, bucket: Bucket) -> None:
         """The gather has completed: point each parameter at its whole value."""
