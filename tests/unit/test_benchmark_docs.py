@@ -69,3 +69,20 @@ def test_splice_touches_only_the_block():
     readme = f"head\n{render.START}\nold\n{render.END}\ntail\n"
     assert render.splice(readme, "\nnew\n") == f"head\n{render.START}\nnew\n{render.END}\ntail\n"
     assert render.splice("no markers\n", "\nnew\n") is None
+
+
+def _render_disk():
+    spec = importlib.util.spec_from_file_location("render_disk_offload", ROOT / "benchmarks" / "render_disk_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_disk_offload_block_matches_the_json():
+    """The offload-to-disk figures in the README are what benchmarks/disk_offload.py wrote."""
+    disk = _render_disk()
+    readme = disk.README.read_text()
+    spliced = disk.splice(readme, disk.block(disk.load(disk.JSON)))
+    assert spliced is not None, f"README.md needs exactly one {disk.START} ... {disk.END} pair"
+    assert spliced == readme, "README.md's disk-offload block is out of date; run " \
+        "`python benchmarks/render_disk_offload.py --write`"
