@@ -177,12 +177,6 @@ def _cases() -> list[Case]:
 
 
 CASES = {c.key: c for c in _cases()}
-# World sizes 1 and 3 by default: every stage in fp32 (the references' check) and each composition at stage 3; at one
-# rank also every stage in bf16 (bit for bit there, and cheap). The Trainer runs at 2 ranks (or with -m slow).
-REDUCED = [f"fp32-stage{s}" for s in range(4)] + [
-    "accumulate-stage3", "offload-params-stage3", "ckpt-peft-stage3", "ckpt-zero-config-stage3", "bf16-stage3",
-]
-REDUCED_ONE_RANK = REDUCED + ["bf16-stage0", "bf16-stage1", "bf16-stage2", "bf16-offload-params-stage3"]
 TRAINER_STAGES = (0, 1, 2, 3)
 
 
@@ -296,15 +290,15 @@ def trainer_run(rank: int, world_size: int, root: str, stage: int | None) -> dic
 # ----- the world ----------------------------------------------------------------------------------------------------
 
 
-def lora_checks(rank: int, world_size: int, matrix: str, root: str) -> dict:
-    """Every case of ``matrix`` ("full" or "reduced") for both models, the bf16 recipe under DDP at 2 and 3 ranks, and
-    with "full" the Trainer (DDP and stages 0-3); keyed by (model, case key), ("ddp-bf16", model) and ("trainer",
-    stage or "ddp"). Each value is the run's result or ``{"error": ...}``; ``"seconds"`` holds each run's time."""
+def lora_checks(rank: int, world_size: int, root: str) -> dict:
+    """Every case for both models, the bf16 recipe under DDP at 2 and 3 ranks, and the Trainer (DDP and stages 0-3);
+    keyed by (model, case key), ("ddp-bf16", model) and ("trainer", stage or "ddp"). Each value is the run's result or
+    ``{"error": ...}``; ``"seconds"`` holds each run's time."""
     import time
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gradient_checkpointing_enable's rename
     warnings.filterwarnings("ignore", message=".*fused=True.*")  # offload's advice; the kernel changes no check
-    keys = list(CASES) if matrix == "full" else REDUCED_ONE_RANK if world_size == 1 else REDUCED
+    keys = list(CASES)
     out: dict = {"seconds": {}}
 
     def timed(key, fn, *args):
@@ -317,8 +311,7 @@ def lora_checks(rank: int, world_size: int, matrix: str, root: str) -> dict:
             timed((kind, key), run_case, rank, world_size, kind, CASES[key], _group())
         if world_size > 1 and any(CASES[key].precision for key in keys):
             timed(("ddp-bf16", kind), bf16_recipe, kind, rank, world_size, _group())
-    if matrix == "full":
-        timed(("trainer", "ddp"), trainer_run, rank, world_size, root, None)
-        for stage in TRAINER_STAGES:
-            timed(("trainer", stage), trainer_run, rank, world_size, root, stage)
+    timed(("trainer", "ddp"), trainer_run, rank, world_size, root, None)
+    for stage in TRAINER_STAGES:
+        timed(("trainer", stage), trainer_run, rank, world_size, root, stage)
     return out

@@ -6,7 +6,7 @@ GPT also with activation checkpointing, under both mixed-precision policies and 
 under ``no_sync()`` first. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two sequence lengths
 (``estimate_scale``).
 
-World size 2 runs by default; 1 and 3 (a minute or two each on 2 cores) with ``-m slow``.
+World sizes 1, 2 and 3 run by default (a minute or two each on 2 cores); ``pytest --quick`` runs 2 only.
 
 Measured means the allocator's peak (PyTorch's CPU allocator, read through the profiler) over what the
 process held when the run started. The estimate must be within 5% of it, at every point of the matrix.
@@ -22,6 +22,8 @@ import pytest
 from tests.distributed.estimate_world import MICRO_BATCHES, MODELS, PARTIAL, STAGES, VARIANTS, key
 from tests.distributed.harness import run_module
 
+pytestmark = pytest.mark.full_only  # --quick: covered once by the estimator's unit tests
+
 
 @pytest.fixture(scope="module")
 def worlds() -> dict[int, dict]:
@@ -34,9 +36,7 @@ def _world(worlds: dict[int, dict], world_size: int) -> dict:
     return worlds[world_size]
 
 
-@pytest.mark.parametrize(
-    "world_size", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("world_size", [2, 1, 3], ids=lambda n: f"world{n}")
 def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, world_size):
     runs = _world(worlds, world_size)
     expected = {key(name, stage, micro, {}) for name in MODELS for stage in STAGES for micro in MICRO_BATCHES

@@ -7,6 +7,8 @@ import pytest
 from tests.distributed.harness import run_module
 from zero import zero_model_state_bytes
 
+pytestmark = pytest.mark.full_only  # --quick: covered once by tests/unit's memory checks
+
 
 def _run(*args: str) -> dict:
     return run_module("tests.distributed.fake_scale", *args, timeout=300)

@@ -26,8 +26,7 @@
 Reentrant checkpointing the PEFT way is covered too: with the head frozen, the first gradient of backward comes from
 inside the last checkpointed block (a nested backward that ends before the outer one).
 
-World size 2 runs every case and the Trainer; world sizes 1 and 3 run every stage in fp32 and each composition at
-stage 3 (at one rank also every stage in bf16) by default, everything with ``-m slow``.
+Every world size (1, 2 and 3 ranks) runs every case and the Trainer; ``pytest --quick`` runs world size 2 only.
 """
 
 from __future__ import annotations
@@ -52,16 +51,12 @@ from tests.distributed.lora_world import (
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+pytestmark = pytest.mark.full_only  # --quick: covered once by tests/unit/test_lora.py
+
 RTOL = 1e-5
 NOISE_FACTOR, BF16_LOSS_RTOL = 2, 5e-3  # bf16 at 2-3 ranks (see the module docstring)
 
-WORLDS = [
-    pytest.param((2, "full"), id="world2"),
-    pytest.param((1, "reduced"), id="world1"),
-    pytest.param((3, "reduced"), id="world3"),
-    pytest.param((1, "full"), id="world1-full", marks=pytest.mark.slow),
-    pytest.param((3, "full"), id="world3-full", marks=pytest.mark.slow),
-]
+WORLDS = [pytest.param(2, id="world2"), pytest.param(1, id="world1"), pytest.param(3, id="world3")]
 FP32 = [k for k, c in CASES.items() if c.precision is None]
 BF16 = [k for k, c in CASES.items() if c.precision == "bf16"]
 UNCHANGED_BY = {  # a case -> the case it must equal bit for bit
@@ -72,8 +67,8 @@ UNCHANGED_BY = {  # a case -> the case it must equal bit for bit
 
 @pytest.fixture(scope="module", params=WORLDS)
 def lora(request, tmp_path_factory):
-    world_size, matrix = request.param
-    return world_size, run_world(lora_checks, world_size, matrix, str(tmp_path_factory.mktemp(f"lora{world_size}")))
+    world_size = request.param
+    return world_size, run_world(lora_checks, world_size, str(tmp_path_factory.mktemp(f"lora{world_size}")))
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +85,6 @@ def refs():
 def _run(lora, key) -> dict:
     """Rank 0's result for ``key``, after checking that it ran and that every rank holds the same weights."""
     world_size, results = lora
-    if key not in results[0]:
-        pytest.skip("not in this world's reduced matrix (run with -m slow)")
     run = results[0][key]
     assert "error" not in run, f"{key} at {world_size} ranks failed: {run['error']}\n{run['traceback']}"
     nonfinite = [n for part in ("adapters", "masters") for n, v in run.get(part, {}).items() if not v.isfinite().all()]
@@ -181,11 +174,8 @@ def test_the_matrix_is_what_the_docstring_says(lora):
     world_size, results = lora
     for kind in MODELS:
         ran = {key[1] for key in results[0] if isinstance(key, tuple) and key[0] == kind}
-        assert {"fp32-stage0", "fp32-stage1", "fp32-stage2", "fp32-stage3", "bf16-stage3"} <= ran
-        if world_size == 2:
-            assert ran == set(CASES)
-    if world_size == 2:
-        assert {("trainer", s) for s in ("ddp", *TRAINER_STAGES)} <= set(results[0])
+        assert ran == set(CASES)
+    assert {("trainer", s) for s in ("ddp", *TRAINER_STAGES)} <= set(results[0])
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)

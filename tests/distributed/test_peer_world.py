@@ -10,7 +10,7 @@ from tests.distributed.harness import run_world
 from tests.distributed.peer_world import dropped_and_wrapped_again, peer_checks, two_optimizers
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def world(request):
     return run_world(peer_checks, request.param)
 

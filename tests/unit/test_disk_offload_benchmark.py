@@ -89,8 +89,9 @@ def test_toy_run_writes_every_figure(tmp_path, capsys):
     bench.KEEP.clear()
     assert set(data["traffic"]) == {"fp32", "bf16"}
     for r in data["traffic"].values():
-        for key in ("fb_read_x", "fb_write_x", "step_read_x", "step_write_x", "step_x_disk", "peak_x_window"):
-            assert r[key] > 0
+        for key in ("fb_read_x", "fb_write_x", "step_read_x", "step_write_x", "step_x_disk"):
+            assert r[key] > 0, key
+        assert r["peak_x_window"] >= 0  # (0 when the step needs no memory beyond what the process already holds)
         assert r["gathers_x"] == 1.0
     assert "step / disk time" in capsys.readouterr().out
     assert bench.verdict(1.0, "step_x_disk").endswith("PASS)") and bench.verdict(0.5, "largest_x_cpu").endswith("FAIL)")
