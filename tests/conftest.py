@@ -1,9 +1,8 @@
 """``python -m pytest --quick``: a local run of a few minutes that still touches every feature once.
 
-The full run (``python -m pytest``, what CI runs) checks every world size (1, 2 and 3 ranks) and the larger matrices
-(``slow``). ``--quick`` keeps one multi-rank world size, 2 (the real gloo worlds are the expensive part), and
-leaves out the ``slow`` tests and those marked ``full_only`` (a second, larger copy of a check that a quick run makes
-once elsewhere). Every test file still runs.
+The full run (``python -m pytest``, what CI runs) checks every world size (1, 2 and 3 ranks) and every matrix.
+``--quick`` keeps one multi-rank world size, 2 (the real gloo worlds are the expensive part), and leaves out the tests
+marked ``full_only`` (a larger copy of a check that a quick run makes once elsewhere).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ OTHER_WORLDS = re.compile(r"(^|[-\[_])world[13]($|[-\]_])")  # the parameter ids
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--quick", action="store_true", help="one world size (2), no slow or full_only tests")
+    parser.addoption("--quick", action="store_true", help="one world size (2), no full_only tests")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -26,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         other_world = callspec is not None and OTHER_WORLDS.search(callspec.id) is not None
-        heavy = item.get_closest_marker("slow") or item.get_closest_marker("full_only")
+        heavy = item.get_closest_marker("full_only") is not None
         (dropped if other_world or heavy else kept).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept

@@ -34,6 +34,7 @@ def resumed(tmp_path_factory):
     return results
 
 
+@pytest.mark.full_only  # --quick: checkpoints are covered by the unit tests
 @pytest.mark.parametrize("kind", MODELS)
 def test_same_world_size_resumes_bit_identical(resumed, kind):
     ref = resumed[(kind, "reference")]
@@ -44,6 +45,7 @@ def test_same_world_size_resumes_bit_identical(resumed, kind):
         assert got["lr"] == ref["lr"], mode  # the LR schedule resumed where it was
 
 
+@pytest.mark.full_only  # --quick: checkpoints are covered by the unit tests
 @pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize(
     "mode", ["resumed3", "resumed3-disk", "resumed0"], ids=["N2-stage3", "N2-stage3-disk", "N1-stage0"]

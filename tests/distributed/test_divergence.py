@@ -7,6 +7,7 @@ import warnings
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed.harness import run_world_outcomes
@@ -39,6 +40,7 @@ def _record(path: Path, message, category, filename, lineno, file=None, line=Non
         f.write(f"{message}\n")
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_a_rank_that_skips_a_unit_warns_at_once_and_nobody_hangs(tmp_path):
     """Rank 1 runs one unit fewer on its second step. It warns before its first mismatched collective; then
     each rank either raises an error (the fingerprint check, or a timeout naming the collective) or is

@@ -3,8 +3,7 @@ fake process group (``estimate_world``), with the breakdown by category at the p
 GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward`` (GPT-2 also with its first block frozen, and
 with PEFT LoRA adapters on a frozen base), and a CNN with batch norm, at stages 0-3 and two micro-batches; the
 GPT also with activation checkpointing, under both mixed-precision policies and with a micro-batch accumulated
-under ``no_sync()`` first. And (slow) a 1.1B GPT at stage 3 on 64 ranks at two sequence lengths
-(``estimate_scale``).
+under ``no_sync()`` first. (A 1.1B GPT at stage 3 on 64 ranks is ``benchmarks/estimate_scale.py``.)
 
 World sizes 1, 2 and 3 run by default (a minute or two each on 2 cores); ``pytest --quick`` runs 2 only.
 
@@ -55,12 +54,3 @@ def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, worl
         # the breakdown adds up, and names the phase
         assert sum(run["estimated_categories"].values()) == pytest.approx(run["estimated"]), case
         assert run["estimated_where"].split()[0] in ("forward", "backward", "step"), case
-
-
-@pytest.mark.slow
-def test_a_billion_parameter_gpt_on_64_ranks_at_two_sequence_lengths():
-    for seq_len in (64, 512):
-        run = run_module("tests.distributed.estimate_scale", str(seq_len), timeout=1200)
-        assert run["numel"] > 1_000_000_000
-        assert 0.95 <= run["estimated"] / run["measured"] <= 1.05, run
-        assert run["estimate_s"] < 60

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,6 +37,7 @@ def _one_rank_skips_backward(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_missing_rank_times_out_with_a_clear_error():
     message, skipped = run_world(_one_rank_skips_backward, 2, timeout_s=120)
     assert skipped == "skipped"

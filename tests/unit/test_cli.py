@@ -356,6 +356,7 @@ def report_output(tmp_path_factory) -> str:
     return run.stdout + run.stderr
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_report_output_has_no_profiler_lines_and_counts_in_words(report_output):
     assert "profiler_start" not in report_output and "USDT:" not in report_output and "STAGE:" not in report_output
     assert "launching 1 CPU rank with torchrun" in report_output

@@ -101,6 +101,7 @@ def test_the_step_trace_prices_the_wrapped_optimizer():
     assert sgd.state_per_element == 4 and sgd.adopt == 0
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_a_seven_billion_parameter_model_is_planned_in_seconds_without_allocating_it():
     from transformers import LlamaConfig
 

@@ -58,6 +58,7 @@ def test_nanogpt_saves_at_two_ranks_and_resumes_at_one(tmp_path):
     assert "sample:" in resumed
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_hf_lora_stage3(tmp_path):
     for module in ("transformers", "peft", "accelerate", "safetensors"):
         pytest.importorskip(module)
@@ -75,6 +76,7 @@ def test_hf_lora_stage3(tmp_path):
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_accelerate_loop(tmp_path):
     pytest.importorskip("accelerate")
     output = run("accelerate_loop.py", "--stage", "2", "--steps", "2", "--save", str(tmp_path / "state"))

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "memory_walkthrough.ipynb"
@@ -25,6 +26,7 @@ def _images(nb) -> list[str]:
     ]
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_walkthrough_notebook_executes(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
