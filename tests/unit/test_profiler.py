@@ -22,7 +22,9 @@ def _train(model, opt, steps=2, **kw):
     return profiled_steps(model, opt, *synthetic_batch(0, 4, TINY), steps=steps, **kw)
 
 
-@pytest.mark.parametrize("stage", [None, 0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "stage", [None, 0, *(pytest.param(n, marks=pytest.mark.full_only) for n in (1, 2, 3))]  # --quick: None and 0
+)
 def test_every_sample_reconciles_with_the_allocator(stage):
     torch.manual_seed(0)
     model = GPT(TINY)
