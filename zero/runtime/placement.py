@@ -1,7 +1,7 @@
 """Placements: where a buffer's bytes live, and how they are allocated, released and copied.
 
 A :class:`~zero.runtime.flat_buffer.FlatBuffer` asks its placement for storage and for releasing and
-restoring it; nothing else in the runtime allocates bucket memory. Two placements exist:
+restoring it; nothing else in the runtime allocates bucket memory. Two memory placements are here:
 
 * :class:`DevicePlacement`: the model's device (a GPU, or the CPU when training on it). Releasing
   resizes the storage to zero bytes, restoring resizes it back (see the Note in ``flat_buffer``).
