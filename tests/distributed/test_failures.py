@@ -63,6 +63,7 @@ def _swapped_units(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_stage3_ranks_running_different_units_fail_with_a_clear_error():
     """Caught either by the gather fingerprint at the end of backward or, when the mismatch
     blocks a collective first, by its timeout; never a hang and never a silent step.

@@ -113,6 +113,7 @@ def test_zero_report_command_runs(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["steps"] == 1
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_nothing_is_left_behind_by_odd_blocks():
     """Review findings: each of these once crashed, leaked or mislabelled later samples."""
     from zero.memory import live_tensor_bytes
@@ -221,6 +222,7 @@ def test_plot_shades_each_phase_and_marks_the_peak():
     plt.close(fig)
 
 
+@pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
 def test_plot_module_bars_count_each_byte_once():
     import matplotlib.pyplot as plt
 
