@@ -72,7 +72,8 @@ def build_runtime(
     if config.sync_module_states:
         _broadcast_module_states(model, comm, skip=meta)
     placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
-    partition = _build_partition(optimizer, model, config, stage, comm, placements)
+    state = per_element_state(optimizer) if placements.disk is not None else {}  # what a disk file must hold
+    partition = _build_partition(optimizer, model, config, stage, comm, placements, state)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
     for bucket in partition.buckets:
@@ -89,7 +90,7 @@ def build_runtime(
     cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
     inner = rebuild_optimizer(optimizer, partition.buckets)
     stepper = BucketStepper(inner, partition.trainable_buckets, config.step_kernel)
-    paging = _paging(inner, partition, placements, config)
+    paging = _paging(inner, partition, placements, config, state)
     if config.offload.optimizer_on_host:
         warn_unfused_host_step(inner)
     policy = config.activation_checkpointing
@@ -154,8 +155,10 @@ def _build_partition(
     stage: Stage,
     comm: Communicator,
     placements: Placements,
+    state: dict[str, torch.dtype],
 ) -> Partition:
-    """The buckets (and their plan) of this rank, after checking that the offloaded side fits in host memory."""
+    """The buckets (and their plan) of this rank, after checking that the offloaded side fits in host memory (or,
+    on disk, with the optimizer's per-element ``state``, that the disk has room for the plan)."""
     precision, offload = config.precision, config.offload
     num_shards = stage.num_shards(comm.world_size)
     trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
@@ -163,7 +166,6 @@ def _build_partition(
     check_host_memory(offload, -(-trainable // num_shards), param_bytes)
     full = _full_precision(model, config)
     plan = _unit_planner(model, config) if isinstance(stage, Stage3) else None
-    state = per_element_state(optimizer) if placements.disk is not None else {}
     return build_partition(
         optimizer,
         model,
@@ -187,12 +189,16 @@ def _disk(config: ZeroConfig, comm: Communicator) -> DiskPlacement | None:
     return DiskPlacement(OffloadFile(config.offload.path, comm.rank, comm.world_size))
 
 
-def _paging(inner: torch.optim.Optimizer, partition: Partition, placements: Placements, config: ZeroConfig) -> Resident:
-    """How passes over the optimizer side walk the buckets: a window through host memory when it is on disk."""
+def _paging(
+    inner: torch.optim.Optimizer, partition: Partition, placements: Placements, config: ZeroConfig, state: dict
+) -> Resident:
+    """How passes over the optimizer side walk the buckets: a window through host memory when it is on disk
+    (``state``: the optimizer's per-element state, which the file holds too)."""
     disk = placements.disk
     if disk is None:
         return Resident()
-    return DiskPaging(DiskState(inner, partition.trainable_buckets, disk), config.offload.buffer_count)
+    disk_state = DiskState(inner, state, partition.trainable_buckets, disk)
+    return DiskPaging(disk_state, disk.file, config.offload.buffer_count)
 
 
 def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[torch.nn.Parameter]], list]:

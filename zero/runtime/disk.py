@@ -1,7 +1,7 @@
 """Offload to disk (ZeRO-Infinity): one preallocated, memory-mapped file per rank, and the placement over it.
 
 :class:`OffloadFile` is one rank's file under ``offload.path``: a header page that names the run, then one
-page-aligned region per buffer, each mapped into the process on its own. :class:`DiskPlacement` hands out 1D
+page-aligned region per buffer, mapped into the process in arenas of a GiB. :class:`DiskPlacement` hands out 1D
 tensors over those regions, so every part of the runtime (the step, clipping, checkpoints) reads and writes
 them as ordinary host tensors while their bytes live on disk. What is in host memory at a time is bounded by
 paging (``zero.runtime.paging``): a region is read ahead (``madvise(MADV_WILLNEED)``) before its bucket is used
@@ -17,10 +17,12 @@ released buffer (a gradient shard between steps) is a hole punched in the file (
 
 Robustness: free space is checked before anything is allocated (:func:`check_disk_space`, with the bytes the stage
 plan puts on disk, :func:`planned_disk_bytes`; the file is created at the first allocation); every region is
-allocated with ``posix_fallocate`` (a full disk fails there, with the bytes needed, never later as a SIGBUS);
-the file's name and header carry a run identity drawn at construction, checked before each use, so a file
-left by an earlier run is never read; the file is removed by ``close()``, when the optimizer is collected, or
-at a normal interpreter exit, and only if its header still names this run (nothing else is ever deleted).
+allocated with ``posix_fallocate`` (a full disk fails there, with the bytes needed, never later as a SIGBUS); the
+file's name and header carry a run identity drawn at construction (it is created with ``O_EXCL``, so a file left by
+an earlier run is never read), and the header and inode are checked at every pass over the buckets
+(``zero.runtime.paging``), so a file another process wrote or replaced is an error; the file is removed by
+``close()``, when the optimizer is collected, or at a normal interpreter exit, and only if its header still names
+this run (nothing else is ever deleted).
 """
 
 from __future__ import annotations
@@ -67,7 +69,6 @@ class Region:
 
     def prefetch(self) -> None:
         """Start reading the region into memory (asynchronously, by the kernel's read-ahead)."""
-        self.file.check()
         self._will_need()
         self.file.stats.prefetched += self.nbytes
 

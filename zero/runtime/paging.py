@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from zero.runtime.bucket import Bucket, LocalPiece
+from zero.runtime.disk import OffloadFile
 from zero.runtime.flat_buffer import FlatBuffer
 from zero.runtime.placement import Placement
 
@@ -44,11 +45,13 @@ class Resident:
 class DiskPaging(Resident):
     """A window of ``buffer_count`` buckets mapped at a time (see the module docstring)."""
 
-    def __init__(self, state: "DiskState", buffer_count: int):
+    def __init__(self, state: "DiskState", file: OffloadFile, buffer_count: int):
         self.state = state
+        self.file = file
         self.buffer_count = buffer_count
 
     def walk(self, buckets: list[Bucket], grads_only: bool = False) -> Iterator[Bucket]:
+        self.file.check()  # still this run's file, once per pass
         ahead = self.buffer_count - 1
         for bucket in buckets[:ahead]:
             self.prefetch(bucket, grads_only)
@@ -90,9 +93,10 @@ class DiskPaging(Resident):
 class DiskState:
     """The wrapped optimizer's per-element state in regions of the offload file, one per bucket and key."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], placement: Placement):
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: dict[str, torch.dtype], buckets: list[Bucket],
+                 placement: Placement):
         self.optimizer = optimizer
-        self.layout = per_element_state(optimizer)
+        self.layout = layout  # the per-element state's keys and dtypes (per_element_state)
         self.regions: dict[int, dict[str, FlatBuffer]] = {
             b.index: {
                 key: FlatBuffer(b.layout.chunk_numel, dtype, placement, name=f"{key} of {b}")
