@@ -43,6 +43,9 @@ glibc, whose mmap threshold rises as large blocks are freed, so later blocks of 
 resident once freed. ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment fixes the threshold (large blocks are
 mapped and given back when freed); the run records any ``MALLOC_*`` setting, and the figures are published both ways.
 
+The README's figures: ``MALLOC_MMAP_THRESHOLD_=65536 ... --json benchmarks/results/disk_offload.json``, then
+``python benchmarks/render_results.py --write``.
+
 Run (the second line: toy size, about two minutes)::
 
     python benchmarks/disk_offload.py --path /local_nvme/zero-bench [--json out.json] [--bandwidth-gib 1] ...

@@ -1,15 +1,17 @@
-"""Render compare.py's JSON into docs/benchmarks.md and the README's benchmark table (one source of figures).
+"""Render the benchmarks' JSON into docs/benchmarks.md and the README's blocks (one source of published figures).
 
-The figures come from ``benchmarks/results/compare.json`` (written by ``compare.py --json``), the method from
-``compare.py``'s docstring (read with ``ast``: nothing is imported, no torch). ``tests/unit/test_benchmark_docs.py``
-checks that the committed page and the README block equal what this renders, so no figure goes stale silently.
+compare.py's figures come from ``benchmarks/results/compare.json`` (written by ``compare.py --json``), its method from
+``compare.py``'s docstring (read with ``ast``: nothing is imported, no torch); the offload-to-disk block's from
+``benchmarks/results/disk_offload.json`` (``disk_offload.py --json``). ``tests/unit/test_benchmark_docs.py`` checks
+that the committed page and the README blocks equal what this renders, so no figure goes stale silently.
 
     python benchmarks/render_results.py            # print the page and the README block
     python benchmarks/render_results.py --write    # rewrite docs/benchmarks.md and the README block
     python benchmarks/render_results.py --check    # exit 1 if either is out of date
 
-The README block lies between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``; nothing else in
-README.md is touched, and without the markers the block is only printed.
+The README blocks lie between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``, and between
+``<!-- disk-offload:start -->`` and ``<!-- disk-offload:end -->``; nothing else in README.md is touched, and without
+its markers a block is only printed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ COMPARE = ROOT / "benchmarks" / "compare.py"
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+DISK_JSON = ROOT / "benchmarks" / "results" / "disk_offload.json"
+DISK_MARKERS = ("<!-- disk-offload:start -->", "<!-- disk-offload:end -->")
 HEADLINE = ("ddp", "zro", "fsdp2", "zero-1", "zero-2", "zero-3", "zero-2-bf16")
 REFRESH = ("torchrun --standalone --nproc-per-node 2 benchmarks/compare.py --json benchmarks/results/compare.json"
            " && python benchmarks/render_results.py --write")
@@ -170,13 +174,63 @@ def readme_block(data: dict) -> str:
     ])
 
 
-def splice(readme: str, block: str) -> str | None:
-    """README with the block between the markers replaced, or None without (exactly one pair of) markers."""
-    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
+def _ratio(value: float, limit: float, below: bool = True) -> str:
+    ok = value <= limit if below else value >= limit
+    return f"{value:.2f} ({'<=' if below else '>='} {limit:g}: {'PASS' if ok else 'FAIL'})"
+
+
+def disk_block(data: dict) -> str:
+    """The README's block: per precision, traffic / theory, step / disk time, peak RSS / window; the largest GPT."""
+    run, targets, bandwidth = data["run"], data["targets"], data["bandwidth"]
+    cfg = data["config"]
+    rows = ["| | " + " | ".join(data["traffic"]) + " |", "|---|" + "--:|" * len(data["traffic"])]
+    lines = {
+        "disk reads per step / theory": lambda t, m: (m["fb_read"] + m["step_read"])
+        / (t["forward_backward"]["read"] + t["step"]["read"]),
+        "disk writes per step / theory": lambda t, m: (m["fb_write"] + m["step_write"])
+        / (t["forward_backward"]["write"] + t["step"]["write"]),
+    }
+    for name, ratio in lines.items():
+        rows.append(f"| {name} | " + " | ".join(f"{ratio(r['theory'], r['measured']):.3f}"
+                                                   for r in data["traffic"].values()) + " |")
+    disk_s = {p: r["measured"]["step_read"] / (bandwidth["read_MBps"] * 1e6)
+              + r["measured"]["step_write"] / (bandwidth["write_MBps"] * 1e6) for p, r in data["traffic"].items()}
+    rows.append("| step time / (its traffic / this disk's bandwidth) | " + " | ".join(
+        _ratio(r["measured"]["step_s"] / disk_s[p], targets["step_x_disk"]) for p, r in data["traffic"].items()) + " |")
+    rows.append("| the same, with an fsync of the file after the step | " + " | ".join(
+        f"{(r['measured']['step_s'] + r['measured']['flush_s']) / disk_s[p]:.2f}" for p, r in data["traffic"].items())
+        + " |")
+    rows.append("| peak RSS in the step / (window + largest unit) | " + " | ".join(
+        _ratio(r["measured"]["peak_over_before"] / (r["theory"]["window_bytes"] + r["theory"]["largest_unit_bytes"]),
+               targets["peak_x_window"]) for r in data["traffic"].values()) + " |")
+    largest, options = data["largest"], run["options"]
+    bound = " (the search's cap: a lower bound)" if largest["disk"]["capped"] else ""
+    malloc = ", ".join(f"`{k}={v}`" for k, v in run.get("malloc_env", {}).items()) or "glibc's defaults"
+    return "\n".join([
+        "",
+        "<!-- Generated by benchmarks/render_results.py from benchmarks/results/disk_offload.json. -->",
+        f"Stage 3, parameters and optimizer on disk, GPT of {cfg['d_model']} x {cfg['num_layers']} layers, "
+        f"buffer_count {options['buffer_count']}; this disk: {bandwidth['write_MBps']:.0f} MB/s sequential write "
+        f"(fsync'ed), {bandwidth['read_MBps']:.0f} MB/s read (cold), measured in the same run:",
+        "",
+        *rows,
+        "",
+        f"Largest GPT (width {options['search_d_model']}) that trains under {options['budget_mib']:g} MiB of RSS "
+        f"beyond the interpreter and torch ({malloc}): CPU offload {largest['cpu']['params'] / 1e6:.1f}M parameters, "
+        f"disk {largest['disk']['params'] / 1e6:.1f}M{bound}: "
+        f"{_ratio(data['largest_x_cpu'], targets['largest_x_cpu'], below=False)}.",
+        "",
+    ])
+
+
+def splice(readme: str, block: str, markers: tuple[str, str] = (START, END)) -> str | None:
+    """README with the block between ``markers`` replaced, or None without (exactly one pair of) them."""
+    start, end = markers
+    if readme.count(start) != 1 or readme.count(end) != 1 or readme.index(start) > readme.index(end):
         return None
-    head, rest = readme.split(START)
-    _, tail = rest.split(END)
-    return head + START + block + END + tail
+    head, rest = readme.split(start)
+    _, tail = rest.split(end)
+    return head + start + block + end + tail
 
 
 def _shown(path: Path) -> str:
@@ -191,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md or the README block is stale")
     args = p.parse_args(argv)
     data = load(args.json)
-    new_page, block = page(data), readme_block(data)
+    new_page, block, disk = page(data), readme_block(data), disk_block(load(DISK_JSON))
     readme = README.read_text() if README.exists() else ""  # no README: no block to write or check
     new_readme = splice(readme, block)
+    with_disk = splice(new_readme if new_readme is not None else readme, disk, DISK_MARKERS)
+    new_readme = with_disk if with_disk is not None else new_readme
     if args.check:
         stale = [_shown(PAGE)] if not PAGE.exists() or PAGE.read_text() != new_page else []
         if new_readme is not None and new_readme != readme:
-            stale.append(f"{_shown(README)} (benchmarks block)")
+            stale.append(f"{_shown(README)} (benchmark blocks)")
         for path in stale:
             print(f"out of date: {path}; run `python benchmarks/render_results.py --write`", file=sys.stderr)
         return 1 if stale else 0
@@ -209,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"README.md has no {START} ... {END} markers; the block would be:\n{block}")
         elif new_readme != readme:
             README.write_text(new_readme)
-            print("wrote the README block")
+            print("wrote the README blocks")
         return 0
     print(new_page)
     print(f"----- README block (between {START} and {END}) -----{block}")
+    print(f"----- README block (between {' and '.join(DISK_MARKERS)}) -----{disk}")
     return 0
 
 

@@ -71,18 +71,9 @@ def test_splice_touches_only_the_block():
     assert render.splice("no markers\n", "\nnew\n") is None
 
 
-def _render_disk():
-    spec = importlib.util.spec_from_file_location("render_disk_offload", ROOT / "benchmarks" / "render_disk_offload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_readme_disk_offload_block_matches_the_json():
     """The offload-to-disk figures in the README are what benchmarks/disk_offload.py wrote."""
-    disk = _render_disk()
-    readme = disk.README.read_text()
-    spliced = disk.splice(readme, disk.block(disk.load(disk.JSON)))
-    assert spliced is not None, f"README.md needs exactly one {disk.START} ... {disk.END} pair"
-    assert spliced == readme, "README.md's disk-offload block is out of date; run " \
-        "`python benchmarks/render_disk_offload.py --write`"
+    readme = render.README.read_text()
+    spliced = render.splice(readme, render.disk_block(render.load(render.DISK_JSON)), render.DISK_MARKERS)
+    assert spliced is not None, f"README.md needs exactly one {' ... '.join(render.DISK_MARKERS)} pair"
+    assert spliced == readme, f"README.md's disk-offload block is out of date; {FIX}"
