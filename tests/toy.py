@@ -58,6 +58,18 @@ def batch(step: int, rows: int = 6, width: int = 6) -> torch.Tensor:
     return torch.randn(rows, width, generator=torch.Generator().manual_seed(step))
 
 
+def train_net(model: Net, opt, steps: int, first: int = 0) -> None:
+    """``steps`` steps of ``model`` from step ``first``: two micro-batches (the first under ``opt.no_sync()``, the
+    second through the odd steps' branch), ``opt.backward``, clipping at 0.1, ``step()``, ``zero_grad()``."""
+    for step in range(first, first + steps):
+        with opt.no_sync():
+            opt.backward(model(batch(step)) / 2)
+        opt.backward(model(batch(step + 10), step % 2 == 1) / 2)
+        opt.clip_grad_norm_(0.1)
+        opt.step()
+        opt.zero_grad()
+
+
 class Boom(torch.autograd.Function):
     """Identity whose backward raises when ``armed``: an error in the middle of a backward pass."""
 

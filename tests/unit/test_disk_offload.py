@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 import zero
 from tests.readouts import flat_params
-from tests.toy import Net, batch
+from tests.toy import Net, train_net
 from zero import ZeroConfig, ZeroOptimizer
 from zero.runtime.disk import HEADER_BYTES, check_disk_space, planned_disk_bytes
 from zero.runtime.placement import Where
@@ -32,14 +32,8 @@ def build(stage: int, offload: dict, precision: dict | None = None, make=None, *
 
 
 def train(model: Net, opt: ZeroOptimizer, steps: int = 4, first: int = 0) -> torch.Tensor:
-    """``no_sync`` accumulation of two micro-batches and clipping; the whole parameters (fp32) afterwards."""
-    for step in range(first, first + steps):
-        with opt.no_sync():
-            opt.backward(model(batch(step)) / 2)
-        opt.backward(model(batch(step + 10), step % 2 == 1) / 2)
-        opt.clip_grad_norm_(0.1)
-        opt.step()
-        opt.zero_grad()
+    """``no_sync`` accumulation of two micro-batches and clipping (``train_net``); the whole parameters (fp32)."""
+    train_net(model, opt, steps, first)
     return flat_params(model, opt).float()
 
 

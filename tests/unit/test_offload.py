@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 import zero.offload
 from tests.readouts import flat_params
-from tests.toy import Net, batch
+from tests.toy import Net, train_net
 from zero import ZeroConfig, ZeroOptimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:offloaded AdamW")  # the hint tested at the end
@@ -25,13 +25,7 @@ def train(
         torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, **adamw), model, stage=stage,
         offload=offload, precision=precision, bucket_size_mb=1e-4,
     )
-    for step in range(steps):
-        with opt.no_sync():
-            opt.backward(model(batch(step)) / 2)
-        opt.backward(model(batch(step + 10), step % 2 == 1) / 2)
-        opt.clip_grad_norm_(0.1)
-        opt.step()
-        opt.zero_grad()
+    train_net(model, opt, steps)
     return flat_params(model, opt).float(), opt
 
 
