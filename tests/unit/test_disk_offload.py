@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 import zero
 from tests.readouts import flat_params
-from tests.toy import Net, train_net
+from tests.toy import Net, batch, train_net
 from zero import ZeroConfig, ZeroOptimizer
 from zero.runtime.disk import HEADER_BYTES, check_disk_space, planned_disk_bytes
 from zero.runtime.placement import Where
@@ -218,3 +218,27 @@ def test_any_window_gives_the_same_numbers(tmp_path, buffer_count):
     expected = train(*build(3, {}))
     model, opt = build(3, disk("params", tmp_path, buffer_count=buffer_count))
     assert torch.equal(train(model, opt), expected)
+
+
+def user_loop(model: Net, opt: ZeroOptimizer) -> torch.Tensor:
+    """The Trainer's way: three backward passes without no_sync(), model.zero_grad(), a step of whatever has a
+    gradient, in fp32."""
+    for step in range(3):
+        for k in range(3):
+            model(batch(step + 10 * k), k == 2).div(3).backward()
+        opt.clip_grad_norm_(0.1)
+        opt.step()
+        model.zero_grad()
+    return flat_params(model, opt).float()
+
+
+@pytest.mark.parametrize("stage,what", [(2, "optimizer"), (3, "params")], ids=str)
+def test_the_trainers_path_is_exact_and_torchs_own_clip_refused(tmp_path, stage, what):
+    expected = user_loop(*build(stage, {}))
+    model, opt = build(stage, disk(what, tmp_path))
+    assert torch.equal(user_loop(model, opt), expected)
+    model(batch(0)).backward()
+    with pytest.raises(RuntimeError, match=r"sharded across ranks.*opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="changed dtype or device after ZeroOptimizer wrapped"):
+        model.to(torch.float64)  # a cast after wrapping: refused by name, on disk as in memory
