@@ -3,6 +3,7 @@
 from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
 from zero.checkpoint.consolidate import consolidate, load_consolidated
 from zero.checkpoint.portable import load_checkpoint, save_checkpoint
+from zero.communication import Communication
 from zero.config import ZeroConfig
 from zero.estimator import estimate
 from zero.memory import ModelStateBytes, zero_model_state_bytes
@@ -13,8 +14,8 @@ from zero.profiler import profile
 from zero.version import __version__
 
 __all__ = [
-    "ActivationCheckpointing", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload", "ZeroConfig",
-    "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
+    "ActivationCheckpointing", "Communication", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload",
+    "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
     "blocks_within_budget", "checkpoint_activations", "consolidate", "load_checkpoint", "load_consolidated",
     "save_checkpoint", "__version__",
 ]

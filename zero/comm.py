@@ -36,15 +36,13 @@ import ctypes
 import datetime
 import json
 import os
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from zero.codec import Codec, IdentityCodec, Work, Works
+from zero.comm_handles import Chain, CommStats, Handle, KindStats
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
@@ -53,82 +51,6 @@ _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "Fi
 def _all_gather_into_tensor(*args: Any, **kwargs: Any) -> Any:
     """``dist.all_gather_single`` where torch has it (newer name), else ``dist.all_gather_into_tensor``."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-@dataclass
-class KindStats:
-    calls: int = 0
-    numel: int = 0
-    bytes: int = 0
-    wait_s: float = 0.0  # seconds this rank spent in the handles' wait(): the part not hidden behind other work
-
-
-@dataclass
-class CommStats:
-    """Payload counters and time waited per collective kind: ``current`` (this step) and ``last_step``."""
-
-    current: dict[str, KindStats] = field(default_factory=lambda: defaultdict(KindStats))
-    last_step: dict[str, KindStats] = field(default_factory=dict)
-
-    def record(self, kind: str, tensor: torch.Tensor, *, sent: bool = True) -> KindStats:
-        """Count one collective of payload ``tensor``; its handle adds the time waited for it to the returned
-        entry. ``sent=False``: a codec sends it, and its :class:`GroupTransport` counts the bytes on the wire."""
-        entry = self.current[kind]
-        entry.calls += 1
-        entry.numel += tensor.numel()
-        if sent:
-            entry.bytes += tensor.numel() * tensor.element_size()
-        return entry
-
-    def end_step(self) -> None:
-        self.last_step = dict(self.current)
-        self.current = defaultdict(KindStats)
-
-    def as_dict(self, which: str = "last_step") -> dict[str, dict[str, float]]:
-        stats = self.last_step if which == "last_step" else self.current
-        return {kind: vars(entry).copy() for kind, entry in sorted(stats.items())}
-
-
-class Handle:
-    """An in-flight collective; ``wait()`` raises a descriptive error on timeout.
-
-    ``on_failure`` runs before that error is raised (the communicator aborts its group); the seconds spent
-    waiting are added to ``stats`` (the collective's entry in ``CommStats``).
-    """
-
-    def __init__(
-        self,
-        work: Any,
-        what: str,
-        timeout: datetime.timedelta,
-        on_failure: Callable[[], None] | None = None,
-        stats: KindStats | None = None,
-    ):
-        self._work = work
-        self.what = what
-        self._timeout = timeout
-        self._on_failure = on_failure
-        self._stats = stats
-
-    def wait(self) -> None:
-        if self._work is None:
-            return
-        work, self._work = self._work, None
-        start = time.perf_counter()
-        try:
-            work.wait(timeout=self._timeout)
-            if self._stats is not None:
-                self._stats.wait_s += time.perf_counter() - start
-        except RuntimeError as err:
-            if self._on_failure is not None:
-                self._on_failure()
-            raise RuntimeError(
-                f"zero: {self.what} did not complete within {self._timeout.total_seconds():g}s ({err}). "
-                "A rank may have died, or ranks took different paths (a different number of backward "
-                "passes, steps or clip_grad_norm_ calls, or different models). Check every rank's log; "
-                "raise ZeroConfig.timeout_s if a step is simply slow. The process group was aborted so "
-                "that this process can exit; later collectives on it will fail."
-            ) from err
 
 
 def _abort_group(group: dist.ProcessGroup) -> None:
@@ -228,6 +150,9 @@ class Communicator:
     the CPU). ``force_collectives``: issue real collectives even in a world of one. ``codec``:
     how all-gathers and reduce-scatters encode what they move (:mod:`zero.codec`; default
     :class:`~zero.codec.IdentityCodec`); an attribute, which may be replaced between collectives.
+    ``replicas``: hierarchical sharding (:mod:`zero.hierarchy`): the communicator across the groups, over the
+    ranks that hold this rank's shard; this one's group is then the shard group (``rank`` and ``world_size`` are
+    within it), its reduce-scatters sum across the groups too, and its broadcasts reach every rank.
     """
 
     def __init__(
@@ -238,6 +163,7 @@ class Communicator:
         device: torch.device | str | None = None,
         force_collectives: bool = False,
         codec: Codec | None = None,
+        replicas: Communicator | None = None,
     ):
         initialized = dist.is_available() and dist.is_initialized()
         if group is None and initialized:
@@ -253,6 +179,7 @@ class Communicator:
         self.codec: Codec = codec if codec is not None else IdentityCodec()
         self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
+        self.replicas = replicas
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -261,6 +188,11 @@ class Communicator:
     def backend(self) -> str:
         """The process group's backend (``"nccl"``, ``"gloo"``, ...), or ``"none"`` without one."""
         return str(dist.get_backend(self.group)) if self.group is not None else "none"
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each compute on their own data: this group's, times the groups with hierarchical sharding."""
+        return self.world_size * (self.replicas.world_size if self.replicas is not None else 1)
 
     @property
     def skips_collectives(self) -> bool:
@@ -290,17 +222,25 @@ class Communicator:
                     "(ZeroOptimizer(device=...) or Communicator(device=...))."
                 )
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, what: str = "all-reduce") -> Handle:
-        """In-place all-reduce (``op`` is ``"sum"`` or ``"max"``)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", *, what: str = "all-reduce", every_group: bool = False
+    ) -> Handle:
+        """In-place all-reduce (``op`` is ``"sum"`` or ``"max"``) over this group, and with ``every_group`` across
+        the groups too (hierarchical sharding; a ``"sum"`` then counts each group's value once per group)."""
         self._check(what, tensor)
         if self.skips_collectives:
-            return self._handle(None, what)
-        stats = self.stats.record("all_reduce", tensor)
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
-        return self._handle(work, what, stats)
+            handle = self._handle(None, what)
+        else:
+            stats = self.stats.record("all_reduce", tensor)
+            handle = self._handle(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                                  what, stats)
+        if not every_group or self.replicas is None:
+            return handle
+        return Chain(handle, lambda: self.replicas.all_reduce(tensor, op, what=f"{what} across groups"))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "reduce-scatter") -> Handle:
-        """Sum ``input`` (1D, ``world_size * len(output)``) over ranks; keep this rank's chunk.
+        """Sum ``input`` (1D, ``world_size * len(output)``) over ranks (with ``replicas``: every rank); keep this
+        rank's chunk. Through the codec: lossy with a quantizing one.
 
         ``output`` may be this rank's chunk of ``input`` itself (in place). Afterwards the rest of ``input`` holds
         unspecified values (on gloo: the other chunks' sums).
@@ -310,12 +250,20 @@ class Communicator:
         if self.skips_collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return self._handle(None, what)
-        stats = self.stats.record("reduce_scatter", input, sent=False)
-        return self._handle(self.codec.reduce_scatter(output, input, GroupTransport(self, stats)), what, stats)
+            handle = self._handle(None, what)
+        else:
+            stats = self.stats.record("reduce_scatter", input, sent=False)
+            handle = self._handle(self.codec.reduce_scatter(output, input, GroupTransport(self, stats)), what, stats)
+        if self.replicas is None:
+            return handle
+        return Chain(handle, lambda: self.replicas.all_reduce(output, what=f"{what}: its shard across groups"))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather") -> Handle:
-        """Concatenate every rank's ``input`` into ``output`` (1D); ``input`` may alias its chunk of ``output``."""
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather", exact: bool = False
+    ) -> Handle:
+        """Concatenate every rank's ``input`` in this group into ``output`` (1D); ``input`` may alias its chunk of
+        ``output``. Through the codec, unless ``exact`` (a gather whose values outlive training's use of them, such
+        as ``gathered_parameters()``'s, goes through the identity)."""
         self._check(what, output, input)
         assert output.numel() == input.numel() * self.world_size, (output.shape, input.shape)
         if self.skips_collectives:
@@ -323,16 +271,22 @@ class Communicator:
                 output.copy_(input)
             return self._handle(None, what)
         stats = self.stats.record("all_gather", output, sent=False)
-        return self._handle(self.codec.all_gather(output, input, GroupTransport(self, stats)), what, stats)
+        codec = IdentityCodec() if exact else self.codec
+        return self._handle(codec.all_gather(output, input, GroupTransport(self, stats)), what, stats)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str = "broadcast") -> Handle:
-        """Overwrite ``tensor`` with group rank ``src``'s copy."""
+        """Overwrite ``tensor`` with group rank ``src``'s copy (with ``replicas``: that of rank ``src`` of the first
+        group, on every rank)."""
         self._check(what, tensor)
         if self.skips_collectives:
-            return self._handle(None, what)
-        stats = self.stats.record("broadcast", tensor)
-        global_src = dist.get_global_rank(self.group, src)
-        return self._handle(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), what, stats)
+            handle = self._handle(None, what)
+        else:
+            stats = self.stats.record("broadcast", tensor)
+            global_src = dist.get_global_rank(self.group, src)
+            handle = self._handle(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), what, stats)
+        if self.replicas is None:
+            return handle
+        return Chain(handle, lambda: self.replicas.broadcast(tensor, 0, what=f"{what} across groups"))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors)."""
@@ -383,3 +337,12 @@ class Communicator:
     def end_step(self) -> None:
         """Close the current step's counters (``stats.last_step`` becomes this step's)."""
         self.stats.end_step()
+        if self.replicas is not None:
+            self.replicas.end_step()
+
+    def step_stats(self) -> dict[str, dict[str, float]]:
+        """The last step's counters by kind; with hierarchical sharding those across groups as ``inter_<kind>``."""
+        stats = self.stats.as_dict("last_step")
+        if self.replicas is not None:
+            stats.update({f"inter_{kind}": v for kind, v in self.replicas.stats.as_dict("last_step").items()})
+        return stats

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from zero.activations import ActivationCheckpointing
+from zero.communication import Communication
 from zero.deepspeed_config import from_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision
@@ -97,6 +98,13 @@ class ZeroConfig(BaseModel):
         "the optimizer's gradients and state in host memory and steps there (stages 1-3); {'params': 'cpu'} "
         "also keeps stage 3's parameter shards there; 'disk' with a 'path' keeps them in a file per rank "
         "(ZeRO-Infinity). Default: nothing offloaded.",
+    )
+
+    communication: Communication = Field(
+        default_factory=Communication,
+        description="Communication (zero.Communication, or a mapping): quantized_weights (ZeRO++ qwZ, stage 3), "
+        "quantized_gradients (qgZ), block_size, and shard_size for hierarchical sharding (shard within groups of "
+        "that many ranks, e.g. 'local' for one machine, replicate across them). Default: exact, one flat group.",
     )
 
     activation_checkpointing: Optional[ActivationCheckpointing] = Field(
@@ -185,6 +193,23 @@ class ZeroConfig(BaseModel):
             raise ValueError(
                 f"offload.optimizer={self.offload.optimizer!r} needs stage 1, 2 or 3 (got stage 0): stage 0 keeps the "
                 "whole optimizer state on every rank. Use stage 1 or higher."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _communication_stage(self) -> "ZeroConfig":
+        comm = self.communication
+        if comm.quantized_weights and self.stage != 3:
+            raise ValueError(
+                f"communication.quantized_weights needs stage 3 (got stage {self.stage}): below it every rank keeps "
+                "whole parameters, which model.state_dict() and the forward read, so int8 copies of other ranks' "
+                "chunks would be kept and saved as the weights. Use stage=3."
+            )
+        if (comm.quantized_gradients or comm.shard_size is not None) and self.stage == 0:
+            what = "quantized_gradients" if comm.quantized_gradients else "shard_size"
+            raise ValueError(
+                f"communication.{what} needs stage 1, 2 or 3 (got stage 0): stage 0 all-reduces whole gradients "
+                "and shards nothing. Use stage 1 or higher."
             )
         return self
 

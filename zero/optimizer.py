@@ -101,7 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Payload counters of the last completed step, per collective kind, and the seconds this rank waited for
         them (what overlap did not hide): ``{"reduce_scatter": {"calls", "numel", "bytes", "wait_s"}, ...}``;
         a step's traffic runs from the end of the previous ``step()`` to the end of this one."""
-        return self.comm.stats.as_dict("last_step")
+        return self.comm.step_stats()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -100,8 +100,10 @@ def edit(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
                 model.gpt.ln_f.weight.mul_(1.5)
 
 
-def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps: int = STEPS) -> dict:
-    """Train ``steps`` steps; ``mode`` is "reference" (one process, whole batch), "ddp" or "stage{0,1,2}"."""
+def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps: int = STEPS, *,
+          global_batch: int = GLOBAL_BATCH, communication: dict | None = None) -> dict:
+    """Train ``steps`` steps; ``mode`` is "reference" (one process, whole batch), "ddp" or "stage{0,1,2,3}";
+    ``communication``: the ZeroOptimizer's ``ZeroConfig.communication``."""
     model = build_model()
     if scenario == "finetune":  # the blocks' linear layers frozen; their LayerNorms and the rest trained
         for name, p in model.gpt.blocks.named_parameters():
@@ -118,7 +120,8 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
         forward = DistributedDataParallel(model, find_unused_parameters=True)
         opt, no_sync, micro_splits = optimizer, forward.no_sync, micro
     else:
-        opt = ZeroOptimizer(optimizer, model, stage=int(mode[-1]), bucket_size_mb=BUCKET_MB)
+        opt = ZeroOptimizer(optimizer, model, stage=int(mode[-1]), bucket_size_mb=BUCKET_MB,
+                            communication=communication or {})
         forward, no_sync, micro_splits = model, opt.no_sync, micro
     if scenario == "passes3":
         no_sync = nullcontext  # every pass reduces: gradients accumulate across synchronized passes
@@ -126,7 +129,7 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
     for step in range(steps):
         if scenario == "edit" and step == EDIT_STEP:
             edit(model, opt, rank)
-        x, y = synthetic_batch(step % NUM_BATCHES, GLOBAL_BATCH * micro, CFG)
+        x, y = synthetic_batch(step % NUM_BATCHES, global_batch * micro, CFG)
         x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         use_aux = step % 2 == 1
         total = torch.zeros(())

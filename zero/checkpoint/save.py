@@ -42,9 +42,19 @@ def save_checkpoint(
     interrupted save of ``path`` did not leave. A symlink at ``path`` is replaced by the new
     checkpoint; the directory it pointed to is left as it was. ``progress``: print progress on
     rank 0 (``True``), nothing (``False``) or a callable ``(bytes done, bytes total)``, called on
-    every rank. Returns ``path``.
+    every rank. Returns ``path``. With hierarchical sharding the first shard group writes the shards, which every
+    group holds alike, and the other groups wait for it (the checkpoint is a ``shard_size``-rank world's).
     """
     opt = checked(model, optimizer)
+    replicas = opt.comm.replicas
+    if replicas is None:
+        return _save(path, model, opt, scheduler, extra, progress)
+    write = lambda: str(_save(path, model, opt, scheduler, extra, progress)) if replicas.rank == 0 else None  # noqa: E731
+    return Path(replicas.everywhere(write, "saving the checkpoint in the first shard group", share=True)[0])
+
+
+def _save(path: str | os.PathLike, model: torch.nn.Module, opt: ZeroOptimizer, scheduler: Any, extra: Any,
+          progress: ProgressArg) -> Path:
     comm = opt.comm
     final = Path(path)
     partial, _ = checkpoint_directory.siblings(final)

@@ -1,7 +1,8 @@
 """Assembling a ``ZeroOptimizer``'s runtime, in the order data flows:
 
-    config -> communicator -> stage policy -> plan and buckets (placed) -> parameters packed or sharded
-    -> wrapped optimizer over the shard -> stepper -> gatherer and reducer (hooks) -> release
+    config -> communicators (codec, shard groups) -> stage policy -> plan and buckets (placed)
+    -> parameters packed or sharded -> wrapped optimizer over the shard -> stepper
+    -> gatherer and reducer (hooks) -> release
 
 Each step takes what the steps before produced and nothing else; parts a configuration does not use are
 null objects (``NoGatherer``, ``NoLossScaling``, ``ImmediateUpdate``), so nothing downstream asks whether
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from zero.activations import checkpoint_activations
 from zero.comm import Communicator
 from zero.config import ZeroConfig
+from zero.hierarchy import codec_of, hierarchical
 from zero.offload import check_host_memory, warn_unfused_host_step
 from zero.precision import (
     DTYPES,
@@ -62,15 +64,17 @@ def build_runtime(
     ``placements``: where each side of a bucket lives (default: as ``config.offload`` says)."""
     check_optimizer(optimizer)
     check_not_ddp(model)
-    comm = Communicator(
+    world = Communicator(
         process_group, config.timeout_s, device=_model_device(model, device), force_collectives=config.force_collectives
     )
+    comm = hierarchical(world, config.communication)  # the shard group's (the world's without hierarchy)
+    comm.codec = codec_of(config.communication)
     gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
     check_device_supports(config.precision, comm.device)
     stage = make_stage(config.stage, config.precision)
     meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
     if config.sync_module_states:
-        _broadcast_module_states(model, comm, skip=meta)
+        _broadcast_module_states(model, world, skip=meta)
     placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
     state = per_element_state(optimizer) if placements.disk is not None else {}  # what a disk file must hold
     partition = _build_partition(optimizer, model, config, stage, comm, placements, state)

@@ -26,13 +26,15 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
     buckets = buckets_of(runtime, targets)
     units = gatherer.units_of(s.param for b in buckets for s in b.slots)
     for unit in units:
-        gatherer.unshard(unit)
+        if not runtime.comm.codec.exact_gather:
+            gatherer.reshard(unit)  # a unit a forward left gathered holds quantized values: gather it exactly
+        gatherer.unshard(unit, exact=True)
     for unit in units:
         gatherer.wait(unit)
     try:
         yield
     finally:
-        if modifier_rank is not None and not runtime.comm.skips_collectives:
+        if modifier_rank is not None:
             what = f"broadcast of rank {modifier_rank}'s edited parameters"
             wait_all([runtime.comm.broadcast(b.param_buffer.data, modifier_rank, what=what) for b in buckets])
         for unit in units:

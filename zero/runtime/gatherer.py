@@ -149,11 +149,11 @@ class ParamGatherer:
 
     # ----- unshard / reshard ------------------------------------------------------------------------
 
-    def unshard(self, unit: Unit) -> None:
-        """Start gathering ``unit`` (no-op unless sharded)."""
+    def unshard(self, unit: Unit, *, exact: bool = False) -> None:
+        """Start gathering ``unit`` (no-op unless sharded); ``exact``: never through a lossy codec."""
         if unit.state is not UnitState.SHARDED:
             return
-        unit.handles = [self.stage.unshard(bucket, self.comm) for bucket in unit.buckets]
+        unit.handles = [self.stage.unshard(bucket, self.comm, exact=exact) for bucket in unit.buckets]
         unit.state = UnitState.GATHERING
         self._fingerprint = (self._fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
 

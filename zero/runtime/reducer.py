@@ -271,7 +271,8 @@ class GradReducer:
         local += self.gatherer.fingerprint_flags()
         flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
         flags = torch.cat([flags, self.scaler.local_flags(self.comm.device)])  # last: overflow (fp16 only)
-        self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients").wait()
+        self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients",
+                             every_group=True).wait()
         while self._order.in_flight:
             self._complete_oldest()
         agreed = flags.tolist()

@@ -68,7 +68,7 @@ class ModelRelease:
         gathered when its optimizer was dropped is gathered again: its shards are what counts)."""
         for bucket in self.sharded:
             bucket.param_buffer.abandon()
-        handles = [self.stage.unshard(bucket, self.comm) for bucket in self.sharded]
+        handles = [self.stage.unshard(bucket, self.comm, exact=True) for bucket in self.sharded]
         for bucket, handle in zip(self.sharded, handles):
             handle.wait()
             self.stage.end_unshard(bucket)

@@ -105,9 +105,10 @@ class Stage0:
 
     def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
         """Start reducing ``staging`` (filled by :meth:`collect`). It is divided by the world size before
-        summing, as DDP does, so the sum is the average (and its rounding is DDP's)."""
-        if comm.world_size > 1:
-            bucket.staging.data.div_(comm.world_size)
+        summing, as DDP does, so the sum is the average (and its rounding is DDP's); with hierarchical sharding
+        by every rank's count, as the sum runs across the groups too."""
+        if comm.data_parallel_size > 1:
+            bucket.staging.data.div_(comm.data_parallel_size)
         return self.reduce(bucket, comm)
 
     def reduce(self, bucket: Bucket, comm: Communicator) -> Handle:

@@ -1,0 +1,83 @@
+"""Communication: the policy (``ZeroConfig.communication``) for what crosses the wire and between which ranks.
+
+* ``quantized_weights`` (ZeRO++'s qwZ, stage 3): each unit's all-gather moves int8 blocks with one fp32 scale per
+  ``block_size`` elements (:class:`zero.codec.QuantizedWeights`), decoded into the compute dtype. The master
+  weights, the optimizer and the step stay exact; only the copies forward and backward read are rounded, within
+  ``max|x| / 254`` of each value (``max`` over its block). Gathers outside training
+  (``opt.gathered_parameters()``, ``opt.close()``) are exact.
+* ``quantized_gradients`` (ZeRO++'s qgZ, stages 1-3): each gradient reduce-scatter is one all-to-all of int8 blocks
+  summed in fp32 on the receiving rank (:class:`zero.codec.QuantizedGradients`).
+* ``shard_size`` (hierarchical sharding, FSDP2's HSDP): shard over groups of ``shard_size`` consecutive ranks (one
+  machine: ``"local"`` takes torchrun's ``LOCAL_WORLD_SIZE``) and replicate across the groups. Gradients are
+  reduce-scattered inside the group and their shard all-reduced across groups; parameters are gathered inside
+  the group only, so no parameter crosses a machine boundary. Each rank holds ``1/shard_size`` of the model states
+  (not ``1/world_size``). Exact: the same numbers as the flat layout, to rounding.
+
+Quantization is lossy and off by default; its bounds are stated in :mod:`zero.quantization` and tested.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+
+class Communication(BaseModel):
+    """The communication policy of :class:`zero.ZeroConfig` (``communication=``); default: exact, one flat group."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    quantized_weights: bool = Field(
+        False,
+        strict=True,
+        description="Stage 3: all-gather parameters as int8 blocks with a scale each (ZeRO++ qwZ); lossy, about "
+        "0.27x fp32's bytes. The master weights stay exact.",
+    )
+    quantized_gradients: bool = Field(
+        False,
+        strict=True,
+        description="Reduce-scatter gradients as int8 blocks through one all-to-all, summed in fp32 on the "
+        "receiving rank (ZeRO++ qgZ); lossy, about 0.27x fp32's bytes.",
+    )
+    block_size: int = Field(
+        256, strict=True, ge=16, le=2**20,
+        description="Elements per quantization block (one fp32 scale each): smaller blocks err less and send more "
+        "scales.",
+    )
+    shard_size: Union[StrictInt, Literal["local"], None] = Field(
+        None,
+        description="Hierarchical sharding: shard over groups of this many consecutive ranks and replicate across "
+        "groups ('local': torchrun's LOCAL_WORLD_SIZE, one machine). None: one group of every rank.",
+    )
+
+    @model_validator(mode="after")
+    def _positive_shard_size(self) -> "Communication":
+        if isinstance(self.shard_size, int) and self.shard_size < 1:
+            raise ValueError(f"communication.shard_size must be at least 1 (got {self.shard_size})")
+        return self
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantized_weights or self.quantized_gradients
+
+    def group_size(self, world_size: int) -> int:
+        """The shard group's size in a world of ``world_size`` ranks (``world_size`` itself without hierarchy)."""
+        size = self.shard_size
+        if size is None:
+            return world_size
+        if size == "local":
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            if not local.isdigit() or int(local) < 1:
+                raise ValueError(
+                    "communication.shard_size='local' takes the ranks per machine from torchrun's LOCAL_WORLD_SIZE, "
+                    "which is not set: launch with torchrun, or give the group size as a number"
+                )
+            size = int(local)
+        if world_size % size:
+            raise ValueError(
+                f"communication.shard_size={size} does not divide the world of {world_size} ranks: hierarchical "
+                "sharding needs groups of equal size (e.g. the same number of ranks on every machine)"
+            )
+        return size

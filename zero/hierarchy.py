@@ -1,0 +1,53 @@
+"""The communicators a ``ZeroConfig.communication`` policy asks for: the codec on the wire and, with hierarchical
+sharding, a 2-D layout of the ranks (``torch.distributed.device_mesh``).
+
+Hierarchical sharding (FSDP2's HSDP) lays the ``world_size`` ranks out as ``replicas x shard_size``::
+
+    rank = replica * shard_size + local        (shard groups are consecutive ranks: one machine under torchrun)
+
+Each row (a shard group) shards the model as a flat world of ``shard_size`` ranks would; each column (the ranks
+holding the same shard) is a replica group. The runtime sees only the shard group's communicator, whose ``rank``
+and ``world_size`` are within the group, so the plan, the partition, the gatherer and checkpoints are those of a
+``shard_size``-rank world. What crosses the groups is that communicator's business (:class:`zero.comm.Communicator`,
+``replicas``): every reduce-scatter's shard is then all-reduced across the groups (gradients are divided by every
+rank's count before), broadcasts reach every rank, and the agreement on which parameters got gradients is taken
+over every rank.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from zero.codec import Codec, IdentityCodec, PerCollective, QuantizedGradients, QuantizedWeights
+from zero.comm import Communicator
+from zero.communication import Communication
+
+
+def codec_of(policy: Communication) -> Codec:
+    """The codec the policy puts on the wire (the identity unless quantization is on)."""
+    if not policy.quantized:
+        return IdentityCodec()
+    gather = QuantizedWeights(policy.block_size) if policy.quantized_weights else IdentityCodec()
+    reduce = QuantizedGradients(policy.block_size) if policy.quantized_gradients else IdentityCodec()
+    return PerCollective(gather, reduce)
+
+
+def hierarchical(world: Communicator, policy: Communication) -> Communicator:
+    """The communicator the runtime uses: ``world`` itself without hierarchy (or when one group holds every rank),
+    else one over this rank's shard group, with the communicator across the groups as its ``replicas``
+    (collective: every rank builds the mesh)."""
+    size = policy.group_size(world.world_size)
+    if size == world.world_size:
+        return world
+    if world.group is not dist.group.WORLD:
+        raise ValueError(
+            "communication.shard_size lays out every rank of the job as groups of that size, so it needs the default "
+            "process group; leave process_group= unset (or shard_size=None to shard over the group you pass)"
+        )
+    replicas = world.world_size // size
+    mesh = init_device_mesh(world.device.type, (replicas, size), mesh_dim_names=("replicate", "shard"))
+    timeout_s = world.timeout.total_seconds()
+    across = Communicator(mesh.get_group("replicate"), timeout_s, device=world.device)
+    return Communicator(mesh.get_group("shard"), timeout_s, device=world.device,
+                        force_collectives=world.force_collectives, replicas=across)
