@@ -1,0 +1,115 @@
+"""What each rank runs in ``test_hierarchy_world.py``: hierarchical sharding (``communication.shard_size``) in a
+world of 4 ranks laid out as 2 groups of 2 (two machines of two ranks), and the quantized codecs on top of it.
+
+* ``parity``: the parity scenarios of ``worlds.train`` at stages 1-3 with ``shard_size=2``, the single-process
+  reference (rank 0) and DDP at 4 ranks (its noise, the yardstick for Adam);
+* ``layout``: which ranks share a shard group and what each rank holds and sends;
+* ``resume``: SGD at stage 3 with ``shard_size=2``: 3 steps, a portable checkpoint, 3 more steps; then a flat
+  stage-2 run at 4 ranks loads the checkpoint and takes the same 3 steps;
+* ``quantized``: ``shard_size=2`` with qwZ and qgZ: per-step traffic, and that gathers outside training are exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.worlds import BUCKET_MB, CFG, build_model, make_optimizer, train
+from tests.readouts import flat_params
+from zero import ZeroOptimizer, load_checkpoint, save_checkpoint
+from zero.models import local_slice, synthetic_batch
+
+WORLD_SIZE = 4
+SHARD_SIZE = 2
+GLOBAL_BATCH = 12  # divisible by 4 (and by 1, for the reference)
+HIERARCHY = {"shard_size": SHARD_SIZE}
+QUANTIZED = {"shard_size": SHARD_SIZE, "quantized_weights": True, "quantized_gradients": True, "block_size": 64}
+SCENARIOS = [("adamw", "plain"), ("sgd", "clip"), ("sgd", "edit"), ("sgd", "passes3"), ("sgd", "finetune")]
+STAGES = (1, 2, 3)
+RESUME_STEPS = 3
+
+
+def parity(rank: int) -> dict:
+    runs = {}
+    for kind, scenario in SCENARIOS:
+        if rank == 0:
+            runs[(kind, scenario, "reference")] = train(kind, scenario, 0, 1, "reference", global_batch=GLOBAL_BATCH)
+        if kind == "adamw":
+            runs[(kind, scenario, "ddp")] = train(kind, scenario, rank, WORLD_SIZE, "ddp", global_batch=GLOBAL_BATCH)
+        for stage in STAGES:
+            runs[(kind, scenario, stage)] = train(kind, scenario, rank, WORLD_SIZE, f"stage{stage}",
+                                                  global_batch=GLOBAL_BATCH, communication=HIERARCHY)
+    return runs
+
+
+def _steps(model: torch.nn.Module, opt: ZeroOptimizer, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
+        loss = model(local_slice(x, rank, WORLD_SIZE), local_slice(y, rank, WORLD_SIZE), step % 2 == 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _fresh(stage: int, communication: dict, kind: str = "sgd") -> tuple[torch.nn.Module, ZeroOptimizer]:
+    model = build_model()
+    return model, ZeroOptimizer(make_optimizer(kind, model), model, stage=stage, bucket_size_mb=BUCKET_MB,
+                                communication=communication)
+
+
+def layout(rank: int) -> dict:
+    model, opt = _fresh(3, HIERARCHY)
+    _steps(model, opt, rank, range(2))
+    groups = [None] * WORLD_SIZE
+    dist.all_gather_object(groups, dist.get_process_group_ranks(opt.comm.group))
+    return {
+        "group_rank": opt.comm.rank, "group_size": opt.comm.world_size,
+        "data_parallel_size": opt.comm.data_parallel_size, "groups": groups,
+        "shard_numel": sum(b.shard.numel() for b in opt.buckets),
+        "padded_numel": sum(b.layout.padded_numel for b in opt.buckets),
+        "stats": opt.comm_stats,
+    }
+
+
+def resume(rank: int, directory: str) -> dict:
+    model, opt = _fresh(3, HIERARCHY)
+    _steps(model, opt, rank, range(RESUME_STEPS))
+    saved = save_checkpoint(Path(directory) / "hsdp", model, opt, progress=False)
+    _steps(model, opt, rank, range(RESUME_STEPS, 2 * RESUME_STEPS))
+    straight = flat_params(model, opt)
+    model2, opt2 = _fresh(2, {})
+    load_checkpoint(saved, model2, opt2, progress=False)
+    _steps(model2, opt2, rank, range(RESUME_STEPS, 2 * RESUME_STEPS))
+    return {"saved": str(saved), "files": sorted(p.name for p in saved.iterdir()),
+            "straight": straight, "resumed": flat_params(model2, opt2)}
+
+
+def quantized(rank: int) -> dict:
+    model, opt = _fresh(3, QUANTIZED, kind="adamw")
+    initial = flat_params(build_model())
+    with torch.no_grad():  # a forward without backward leaves the root unit gathered (int8 copies)
+        x, y = synthetic_batch(0, GLOBAL_BATCH, CFG)
+        model(local_slice(x, rank, WORLD_SIZE), local_slice(y, rank, WORLD_SIZE), False)
+    before = flat_params(model, opt)  # through gathered_parameters(): must be exact
+    losses = _steps(model, opt, rank, range(6))
+    stats = opt.comm_stats
+    after = flat_params(model, opt)
+    opt.close()
+    closed = torch.cat([p.detach().flatten() for p in model.parameters()])
+    reference = build_model()
+    plain_opt = ZeroOptimizer(make_optimizer("adamw", reference), reference, stage=3, bucket_size_mb=BUCKET_MB,
+                              communication=HIERARCHY)
+    plain_losses = _steps(reference, plain_opt, rank, range(6))
+    return {"initial": initial, "before": before, "losses": losses, "plain_losses": plain_losses, "stats": stats,
+            "after": after, "closed": closed}
+
+
+def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
+    assert world_size == WORLD_SIZE
+    return {"parity": parity(rank), "layout": layout(rank), "resume": resume(rank, directory),
+            "quantized": quantized(rank)}

@@ -1,0 +1,97 @@
+"""Hierarchical sharding (``ZeroConfig.communication.shard_size``, FSDP2's HSDP) in a real gloo world of 4 ranks laid
+out as 2 shard groups of 2, and ZeRO++'s quantized codecs on top of it (see ``hierarchy_world`` for what each rank
+runs).
+
+Exact: stages 1-3 with ``shard_size=2`` train to the single-process reference's numbers with the tolerances of
+``test_world.py`` (losses 1e-5 relative, SGD parameters 1e-5 absolute, Adam within twice DDP's own distance), on
+every rank alike. The layout is the device mesh's (groups of consecutive ranks); each rank holds 1/shard_size of the
+model; parameters are never gathered across groups, and each reduce-scatter's shard is all-reduced across them. A
+checkpoint saved by the hierarchical run is a 2-rank world's, and a flat 4-rank stage-2 run resumes from it exactly.
+Quantized (lossy) on top: the gathers outside training (``gathered_parameters()``, ``close()``) stay exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_world
+from tests.distributed.hierarchy_world import SCENARIOS, SHARD_SIZE, STAGES, WORLD_SIZE, hierarchy_checks
+from tests.readouts import max_diff
+
+LOSS_RTOL = 1e-5
+SGD_ATOL = 1e-5
+QUANTIZED_LOSS_RTOL = 0.02  # six Adam steps on int8 weights and gradients: observed within 0.6%
+
+
+@pytest.fixture(scope="module")
+def hierarchy_world(tmp_path_factory):
+    return run_world(hierarchy_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("hsdp")), timeout_s=600)
+
+
+@pytest.mark.parametrize("kind,scenario", SCENARIOS, ids=lambda x: x)
+def test_hierarchical_stages_train_like_single_process(hierarchy_world, kind, scenario):
+    runs = hierarchy_world[0]["parity"]
+    ref = runs[(kind, scenario, "reference")]
+    for stage in STAGES:
+        ours = runs[(kind, scenario, stage)]
+        for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"], strict=True)):
+            assert a == pytest.approx(b, rel=LOSS_RTOL), f"stage {stage}, step {step}"
+        if kind == "sgd":
+            assert max_diff(ours["params"], ref["params"]) <= SGD_ATOL, stage
+        else:
+            ddp_noise = float((runs[(kind, scenario, "ddp")]["params"] - ref["params"]).norm())
+            assert float((ours["params"] - ref["params"]).norm()) <= 2 * ddp_noise, stage
+        assert ours["losses"][-1] < ours["losses"][0]  # it trained
+        for rank, other in enumerate(hierarchy_world[1:], start=1):
+            assert torch.equal(other["parity"][(kind, scenario, stage)]["params"], ours["params"]), (stage, rank)
+
+
+def test_layout_follows_the_mesh(hierarchy_world):
+    for rank, result in enumerate(hierarchy_world):
+        layout = result["layout"]
+        first = rank - rank % SHARD_SIZE
+        assert layout["groups"][rank] == list(range(first, first + SHARD_SIZE))
+        assert layout["group_rank"] == rank % SHARD_SIZE and layout["group_size"] == SHARD_SIZE
+        assert layout["data_parallel_size"] == WORLD_SIZE
+        assert layout["shard_numel"] * SHARD_SIZE == layout["padded_numel"]  # 1/shard_size, not 1/world_size
+
+
+def test_parameters_never_cross_groups_and_each_gradient_shard_is_all_reduced_across_them(hierarchy_world):
+    for result in hierarchy_world:
+        stats = result["layout"]["stats"]
+        assert "inter_all_gather" not in stats and "inter_reduce_scatter" not in stats
+        assert stats["all_gather"]["numel"] > 0
+        # one all-reduce across groups per reduce-scatter, of the chunk this rank keeps
+        assert stats["inter_all_reduce"]["calls"] == stats["reduce_scatter"]["calls"] + 1  # + the agreement's flags
+        flags = stats["all_reduce"]["numel"] // stats["all_reduce"]["calls"]
+        assert stats["inter_all_reduce"]["numel"] == stats["reduce_scatter"]["numel"] // SHARD_SIZE + flags
+
+
+def test_a_hierarchical_checkpoint_is_a_group_sized_world_and_resumes_flat(hierarchy_world):
+    saved = {r["resume"]["saved"] for r in hierarchy_world}
+    assert len(saved) == 1  # every rank returns the same path
+    files = hierarchy_world[0]["resume"]["files"]
+    assert [f for f in files if f.startswith("part-")] == [f"part-{r:05d}-of-{SHARD_SIZE:05d}.safetensors"
+                                                           for r in range(SHARD_SIZE)]
+    for result in hierarchy_world:
+        assert max_diff(result["resume"]["straight"], result["resume"]["resumed"]) <= SGD_ATOL
+
+
+def test_quantized_hierarchical_training_is_close_and_sends_int8(hierarchy_world):
+    for result in hierarchy_world:
+        q = result["quantized"]
+        for a, b in zip(q["losses"], q["plain_losses"], strict=True):
+            assert a == pytest.approx(b, rel=QUANTIZED_LOSS_RTOL)
+        assert q["losses"] != q["plain_losses"]  # lossy indeed
+        stats = q["stats"]
+        for kind in ("all_gather", "reduce_scatter"):  # int8 plus a scale per 64 elements, some block padding
+            assert 0.25 < stats[kind]["bytes"] / (4 * stats[kind]["numel"]) < 0.35, (kind, stats[kind])
+        assert stats["inter_all_reduce"]["bytes"] == 4 * stats["inter_all_reduce"]["numel"]  # fp32 across groups
+
+
+def test_gathers_outside_training_are_exact_under_quantized_weights(hierarchy_world):
+    for result in hierarchy_world:
+        q = result["quantized"]
+        assert torch.equal(q["before"], q["initial"])  # after a forward left int8 copies gathered
+        assert torch.equal(q["closed"], q["after"])  # close() gives back the masters, not int8 copies
