@@ -7,18 +7,19 @@ time waited); the codec decides everything in between: the wire format (dtype, p
 reduction, the algorithm. It never calls ``torch.distributed``: the communicator hands it a
 :class:`Transport`, the raw collectives over its group, and the codec composes them.
 
-Today there is one real codec, :class:`IdentityCodec`: the tensors themselves, in one collective each, exactly
-what ``zero`` always sent. The ones this seam is for are ZeRO++'s (Wang et al., 2023):
+:class:`IdentityCodec`, the default, sends the tensors themselves, in one collective each. The others are ZeRO++'s
+(Wang et al., 2023), over the block-wise int8 format of :mod:`zero.quantization`, chosen by
+``ZeroConfig.communication`` (:mod:`zero.hierarchy` builds them; :class:`PerCollective` pairs one for each kind):
 
-* **qwZ**, block-quantized weights: :meth:`Codec.all_gather` quantizes this rank's shard to int8 with one scale
-  per block (e.g. 256 elements), all-gathers the int8 blocks and their scales, and on ``wait()`` dequantizes
-  every other rank's chunk into ``output`` in the compute dtype. (All-gathers move parameters: stage 3's
-  gathers, and stages 1-2's after the step.)
-* **qgZ**, quantized gradient reduction: :meth:`Codec.reduce_scatter` quantizes each destination's chunk of the
-  gradients, exchanges them with one :meth:`Transport.all_to_all` (chunk ``r`` goes to rank ``r``) and, on
-  ``wait()``, dequantizes the ``world_size`` chunks it received and sums them in fp32 into ``output``: one
-  quantization per gradient, not one per hop as a quantized ring all-reduce would compound. (Reduce-scatters
-  move gradients.)
+* **qwZ**, block-quantized weights (:class:`QuantizedWeights`): :meth:`Codec.all_gather` quantizes this rank's
+  shard to int8 with one scale per block (e.g. 256 elements), all-gathers the int8 blocks and their scales, and on
+  ``wait()`` dequantizes every other rank's chunk into ``output`` in the compute dtype. (All-gathers move
+  parameters: stage 3's gathers, the only ones ``ZeroConfig`` lets it quantize; see ``zero.communication``.)
+* **qgZ**, quantized gradient reduction (:class:`QuantizedGradients`): :meth:`Codec.reduce_scatter` quantizes each
+  destination's chunk of the gradients, exchanges them with one :meth:`Transport.all_to_all` (chunk ``r`` goes to
+  rank ``r``) and, on ``wait()``, dequantizes the ``world_size`` chunks it received and sums them in fp32 into
+  ``output``: one quantization per gradient, not one per hop as a quantized ring all-reduce would compound.
+  (Reduce-scatters move gradients.)
 
 Contract of a codec (``n`` is the chunk size; every rank calls it with the same sizes, in the same order):
 

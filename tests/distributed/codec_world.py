@@ -19,7 +19,7 @@ from torch import nn
 
 from tests.codecs import Bf16WireCodec
 from zero import ZeroOptimizer
-from zero.codec import IdentityCodec
+from zero.codec import PerCollective, QuantizedGradients, QuantizedWeights
 from zero.comm import Communicator
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
@@ -31,6 +31,11 @@ BUCKET_MB = 0.01  # ~2.6k fp32 elements: several buckets, shards padded unevenly
 LR, MOMENTUM = 0.05, 0.9
 STAGES = (2, 3)
 KINDS = ("all_gather", "reduce_scatter")
+BLOCK = 4  # quantization block of the collective checks: two blocks per chunk of N, the second one padded
+QUANTIZED = {  # ZeroConfig.communication of the quantized training runs, by stage
+    2: {"quantized_gradients": True, "block_size": 64},
+    3: {"quantized_weights": True, "quantized_gradients": True, "block_size": 64},
+}
 
 
 def _values(gen: torch.Generator, k: int) -> torch.Tensor:
@@ -99,7 +104,11 @@ def comm_checks(rank: int, world_size: int) -> dict:
     identity = Communicator(force_collectives=True, timeout_s=60)
     double = Bf16WireCodec()
     lossy = Communicator(force_collectives=True, timeout_s=60, codec=double)
+    quantized = Communicator(force_collectives=True, timeout_s=60,
+                             codec=PerCollective(QuantizedWeights(BLOCK), QuantizedGradients(BLOCK)))
     return {
+        "quantized": _run(quantized, inputs),
+        "quantized_stats": _stats(quantized),
         "default_codec": type(identity.codec).__name__,
         "identity": _run(identity, inputs),
         "identity_stats": _stats(identity),
@@ -110,11 +119,11 @@ def comm_checks(rank: int, world_size: int) -> dict:
     }
 
 
-def _train(rank: int, world_size: int, stage: int, swap: bool) -> dict:
+def _train(rank: int, world_size: int, stage: int, swap: bool, communication: dict | None = None) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), model, stage=stage,
-                        bucket_size_mb=BUCKET_MB)
+                        bucket_size_mb=BUCKET_MB, communication=communication or {})
     default = type(opt.comm.codec).__name__
     double = Bf16WireCodec()
     if swap:
@@ -134,8 +143,7 @@ def _train(rank: int, world_size: int, stage: int, swap: bool) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world_size)
-    opt.comm.codec = IdentityCodec()  # read the parameters exactly as they are (stage 3 gathers them)
-    with opt.gathered_parameters():
+    with opt.gathered_parameters():  # (exact whatever the codec)
         params = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
     return {"default": default, "losses": losses, "params": params, "stats": stats, "counts": counts}
 
@@ -144,5 +152,7 @@ def codec_checks(rank: int, world_size: int) -> dict:
     result = {"comm": comm_checks(rank, world_size)}
     if world_size > 1:
         result["training"] = {stage: {"identity": _train(rank, world_size, stage, swap=False),
-                                      "double": _train(rank, world_size, stage, swap=True)} for stage in STAGES}
+                                      "double": _train(rank, world_size, stage, swap=True),
+                                      "quantized": _train(rank, world_size, stage, False, QUANTIZED[stage])}
+                              for stage in STAGES}
     return result

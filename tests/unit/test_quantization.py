@@ -1,0 +1,110 @@
+"""Block-wise int8 quantization (``zero.quantization``), the wire format of the quantized codecs: the packet's
+size, the stated bound on every element (property-tested over sizes, blocks, magnitudes and dtypes), exactness
+where it must be exact, and non-finite values never hidden."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero import quantization
+from zero.communication import Communication
+
+
+def _roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
+    packet = torch.empty(1, quantization.packet_bytes(x.numel(), block), dtype=torch.uint8)
+    quantization.encode(x.view(1, -1), block, packet)
+    return quantization.decode(packet, x.numel(), block)[0]
+
+
+@pytest.mark.parametrize("n,block,expected", [(256, 256, 256 + 4), (257, 256, 512 + 8), (7, 4, 8 + 8),
+                                              (5, 3, 8 + 8), (1, 16, 16 + 4)])
+def test_a_packet_is_the_padded_int8_values_then_one_fp32_scale_per_block(n, block, expected):
+    assert quantization.packet_bytes(n, block) == expected
+
+
+def test_bytes_per_element_approach_one_quarter_of_fp32():
+    n = 1 << 20
+    assert quantization.packet_bytes(n, 256) / (4 * n) == pytest.approx(0.25 + 1 / 256)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 700), block=st.sampled_from([4, 16, 64, 256]), seed=st.integers(0, 2**16),
+       spread=st.integers(0, 6), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_every_element_decodes_within_its_blocks_bound(n, block, seed, spread, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    spread = min(spread, 3) if dtype == torch.float16 else spread  # (float16 tops out at 65504)
+    x = (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-spread, spread + 1, (n,), generator=gen)).to(dtype)
+    decoded = _roundtrip(x, block)
+    assert decoded.dtype == torch.float32 and decoded.shape == (n,)
+    error = (decoded.double() - x.double()).abs()
+    bound = quantization.error_bound(x, block)
+    assert (error <= bound).all(), float((error / bound).max())
+
+
+def test_the_bound_is_nearly_reached_so_it_says_something():
+    x = torch.linspace(-1, 1, 4096)
+    error = (_roundtrip(x, 256).double() - x.double()).abs()
+    assert float((error / quantization.error_bound(x, 256)).max()) > 0.9
+
+
+def test_values_on_the_grid_and_zero_blocks_are_exact():
+    block = 8
+    grid = torch.arange(-124, 124, dtype=torch.float32) * 0.5  # multiples of max|x| / 127 = 0.5 in each block
+    grid.view(-1, block)[:, 0] = 63.5  # every block's absmax, so its scale is 0.5
+    assert torch.equal(_roundtrip(grid, block), grid)
+    zeros = torch.zeros(40)
+    assert torch.equal(_roundtrip(zeros, block), zeros)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_value_makes_its_whole_block_nan_and_no_other(bad):
+    x = torch.randn(64)
+    x[20] = bad
+    decoded = _roundtrip(x, 16)
+    assert decoded[16:32].isnan().all()  # an overflow is never decoded into finite numbers
+    assert decoded[:16].isfinite().all() and decoded[32:].isfinite().all()
+
+
+def test_the_policy_checks_its_group_size(monkeypatch):
+    assert Communication().group_size(6) == 6
+    assert Communication(shard_size=3).group_size(6) == 3
+    with pytest.raises(ValueError, match="shard_size=4 does not divide the world of 6 ranks"):
+        Communication(shard_size=4).group_size(6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Communication(shard_size="local").group_size(6) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE, which is not set"):
+        Communication(shard_size="local").group_size(6)
+    with pytest.raises(ValueError, match="at least 1"):
+        Communication(shard_size=0)
+
+
+@pytest.mark.parametrize("settings_,match", [
+    ({"stage": 2, "communication": {"quantized_weights": True}}, "quantized_weights needs stage 3"),
+    ({"stage": 0, "communication": {"quantized_gradients": True}}, "quantized_gradients needs stage 1, 2 or 3"),
+    ({"stage": 0, "communication": {"shard_size": 2}}, "shard_size needs stage 1, 2 or 3"),
+    ({"communication": {"shard_size": 2.0}}, "shard_size"),
+    ({"communication": {"block_size": 8}}, "block_size"),
+    ({"communication": {"quantized_weight": True}}, "quantized_weight"),
+])
+def test_bad_communication_settings_are_refused_by_name(settings_, match):
+    from zero import ZeroConfig
+
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**settings_)
+
+
+def test_shard_size_needs_the_default_process_group_and_a_divisible_world():
+    from torch import nn
+
+    from zero import ZeroOptimizer
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="shard_size=2 does not divide the world of 1 ranks"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=2,
+                      communication={"shard_size": 2})
