@@ -180,6 +180,9 @@ class Communicator:
         self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
         self.replicas = replicas
+        # communicators whose traffic counts as this one's steps', by level: "inter" (across HSDP's groups), "intra"
+        # (within hpZ's groups); zero.hierarchy sets them up
+        self.levels: dict[str, Communicator] = {"inter": replicas} if replicas is not None else {}
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -337,12 +340,13 @@ class Communicator:
     def end_step(self) -> None:
         """Close the current step's counters (``stats.last_step`` becomes this step's)."""
         self.stats.end_step()
-        if self.replicas is not None:
-            self.replicas.end_step()
+        for level in self.levels.values():
+            level.end_step()
 
     def step_stats(self) -> dict[str, dict[str, float]]:
-        """The last step's counters by kind; with hierarchical sharding those across groups as ``inter_<kind>``."""
+        """The last step's counters by kind; with hierarchical sharding those of the other level as ``inter_<kind>``
+        (HSDP: across the groups) or ``intra_<kind>`` (hpZ: inside a group)."""
         stats = self.stats.as_dict("last_step")
-        if self.replicas is not None:
-            stats.update({f"inter_{kind}": v for kind, v in self.replicas.stats.as_dict("last_step").items()})
+        for prefix, level in self.levels.items():
+            stats.update({f"{prefix}_{kind}": v for kind, v in level.stats.as_dict("last_step").items()})
         return stats

@@ -12,6 +12,11 @@
   reduce-scattered inside the group and their shard all-reduced across groups; parameters are gathered inside
   the group only, so no parameter crosses a machine boundary. Each rank holds ``1/shard_size`` of the model states
   (not ``1/world_size``). Exact: the same numbers as the flat layout, to rounding.
+* ``hierarchy="hpz"`` with ``shard_size`` (ZeRO++'s hierarchical partitioning, stage 3): the optimizer state,
+  gradients and parameter shards stay sharded over every rank (``1/world_size``), and each rank also keeps a
+  *secondary* copy of the parameters sharded over its group (``1/shard_size`` of the model, refreshed by every
+  forward all-gather), from which backward gathers inside the group: the forward gather crosses machines, backward's
+  never does. Exact.
 
 Quantization is lossy and off by default; its bounds are stated in :mod:`zero.quantization` and tested.
 """
@@ -52,10 +57,20 @@ class Communication(BaseModel):
         "groups ('local': torchrun's LOCAL_WORLD_SIZE, one machine). None: one group of every rank.",
     )
 
+    hierarchy: Literal["hsdp", "hpz"] = Field(
+        "hsdp",
+        description="With shard_size: 'hsdp' shards everything within each group and replicates across groups; "
+        "'hpz' (stage 3) shards over every rank and keeps a secondary copy of the parameters sharded within the "
+        "group, from which backward gathers (ZeRO++ hpZ).",
+    )
+
     @model_validator(mode="after")
     def _positive_shard_size(self) -> "Communication":
         if isinstance(self.shard_size, int) and self.shard_size < 1:
             raise ValueError(f"communication.shard_size must be at least 1 (got {self.shard_size})")
+        if self.hierarchy == "hpz" and self.shard_size is None:
+            raise ValueError("communication.hierarchy='hpz' needs shard_size: the group that holds the secondary "
+                             "copy of the parameters (e.g. 'local', the ranks of one machine)")
         return self
 
     @property

@@ -205,6 +205,11 @@ class ZeroConfig(BaseModel):
                 "whole parameters, which model.state_dict() and the forward read, so int8 copies of other ranks' "
                 "chunks would be kept and saved as the weights. Use stage=3."
             )
+        if comm.hierarchy == "hpz" and self.stage != 3:
+            raise ValueError(
+                f"communication.hierarchy='hpz' needs stage 3 (got stage {self.stage}): its secondary copy is of "
+                "the parameter shards that only stage 3 keeps. Use stage=3, or hierarchy='hsdp'."
+            )
         if (comm.quantized_gradients or comm.shard_size is not None) and self.stage == 0:
             what = "quantized_gradients" if comm.quantized_gradients else "shard_size"
             raise ValueError(

@@ -12,6 +12,10 @@ and ``world_size`` are within the group, so the plan, the partition, the gathere
 ``replicas``): every reduce-scatter's shard is then all-reduced across the groups (gradients are divided by every
 rank's count before), broadcasts reach every rank, and the agreement on which parameters got gradients is taken
 over every rank.
+
+ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) uses the same mesh differently: the runtime
+shards over every rank as without hierarchy, and the shard groups only carry backward's gathers from each rank's
+secondary copy of its group's chunk of the parameters (``zero.runtime.secondary``).
 """
 
 from __future__ import annotations
@@ -33,21 +37,29 @@ def codec_of(policy: Communication) -> Codec:
     return PerCollective(gather, reduce)
 
 
-def hierarchical(world: Communicator, policy: Communication) -> Communicator:
-    """The communicator the runtime uses: ``world`` itself without hierarchy (or when one group holds every rank),
-    else one over this rank's shard group, with the communicator across the groups as its ``replicas``
-    (collective: every rank builds the mesh)."""
+def hierarchical(world: Communicator, policy: Communication) -> tuple[Communicator, Communicator | None]:
+    """The communicator the runtime shards over, and hpZ's communicator within a group (``None`` without hpZ)
+    (collective: every rank builds the mesh).
+
+    Without hierarchy, or when one group would hold every rank: ``world`` itself. HSDP: a communicator over this
+    rank's shard group, with the one across the groups as its ``replicas``. hpZ: ``world``, which counts the
+    group's traffic as its ``intra`` level, and the group's."""
     size = policy.group_size(world.world_size)
     if size == world.world_size:
-        return world
+        return world, None
     if world.group is not dist.group.WORLD:
         raise ValueError(
             "communication.shard_size lays out every rank of the job as groups of that size, so it needs the default "
             "process group; leave process_group= unset (or shard_size=None to shard over the group you pass)"
         )
-    replicas = world.world_size // size
-    mesh = init_device_mesh(world.device.type, (replicas, size), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(world.device.type, (world.world_size // size, size), mesh_dim_names=("replicate", "shard"))
     timeout_s = world.timeout.total_seconds()
+    if policy.hierarchy == "hpz":
+        group = Communicator(mesh.get_group("shard"), timeout_s, device=world.device,
+                             force_collectives=world.force_collectives)
+        world.levels["intra"] = group
+        return world, group
     across = Communicator(mesh.get_group("replicate"), timeout_s, device=world.device)
-    return Communicator(mesh.get_group("shard"), timeout_s, device=world.device,
-                        force_collectives=world.force_collectives, replicas=across)
+    shard = Communicator(mesh.get_group("shard"), timeout_s, device=world.device,
+                         force_collectives=world.force_collectives, replicas=across)
+    return shard, None

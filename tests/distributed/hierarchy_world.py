@@ -26,6 +26,11 @@ SHARD_SIZE = 2
 GLOBAL_BATCH = 12  # divisible by 4 (and by 1, for the reference)
 HIERARCHY = {"shard_size": SHARD_SIZE}
 QUANTIZED = {"shard_size": SHARD_SIZE, "quantized_weights": True, "quantized_gradients": True, "block_size": 64}
+HPZ = {"shard_size": SHARD_SIZE, "hierarchy": "hpz"}
+HPZ_RUNS = {  # stage 3 with ZeRO++'s secondary copies: backward gathers (recomputation's too) inside the group
+    "hpz": {"communication": HPZ},
+    "hpz-checkpointed": {"communication": HPZ, "activation_checkpointing": {}},
+}
 SCENARIOS = [("adamw", "plain"), ("sgd", "clip"), ("sgd", "edit"), ("sgd", "passes3"), ("sgd", "finetune")]
 STAGES = (1, 2, 3)
 RESUME_STEPS = 3
@@ -40,7 +45,10 @@ def parity(rank: int) -> dict:
             runs[(kind, scenario, "ddp")] = train(kind, scenario, rank, WORLD_SIZE, "ddp", global_batch=GLOBAL_BATCH)
         for stage in STAGES:
             runs[(kind, scenario, stage)] = train(kind, scenario, rank, WORLD_SIZE, f"stage{stage}",
-                                                  global_batch=GLOBAL_BATCH, communication=HIERARCHY)
+                                                  global_batch=GLOBAL_BATCH, settings={"communication": HIERARCHY})
+        for name, settings in HPZ_RUNS.items():
+            runs[(kind, scenario, name)] = train(kind, scenario, rank, WORLD_SIZE, "stage3", global_batch=GLOBAL_BATCH,
+                                                 settings=settings)
     return runs
 
 
@@ -62,27 +70,32 @@ def _fresh(stage: int, communication: dict, kind: str = "sgd") -> tuple[torch.nn
                                 communication=communication)
 
 
-def layout(rank: int) -> dict:
-    model, opt = _fresh(3, HIERARCHY)
+def layout(rank: int, communication: dict) -> dict:
+    model, opt = _fresh(3, communication)
     _steps(model, opt, rank, range(2))
     groups = [None] * WORLD_SIZE
     dist.all_gather_object(groups, dist.get_process_group_ranks(opt.comm.group))
+    secondary = getattr(opt.runtime.gatherer.source, "group", None)  # hpZ's
     return {
+        "secondary_group": dist.get_process_group_ranks(secondary.group) if secondary is not None else None,
         "group_rank": opt.comm.rank, "group_size": opt.comm.world_size,
         "data_parallel_size": opt.comm.data_parallel_size, "groups": groups,
         "shard_numel": sum(b.shard.numel() for b in opt.buckets),
         "padded_numel": sum(b.layout.padded_numel for b in opt.buckets),
+        "secondary_numel": sum(b.secondary_buffer.numel for b in opt.buckets if b.secondary_buffer is not None),
         "stats": opt.comm_stats,
     }
 
 
-def resume(rank: int, directory: str) -> dict:
-    model, opt = _fresh(3, HIERARCHY)
+def resume(rank: int, directory: str, saving: dict, loading: tuple[int, dict]) -> dict:
+    """3 steps at stage 3 with ``saving``, a checkpoint, 3 more; a fresh run at ``loading`` (stage, communication)
+    loads the checkpoint and takes the same 3 steps."""
+    model, opt = _fresh(3, saving)
     _steps(model, opt, rank, range(RESUME_STEPS))
-    saved = save_checkpoint(Path(directory) / "hsdp", model, opt, progress=False)
+    saved = save_checkpoint(Path(directory) / "-".join(map(str, saving.values())), model, opt, progress=False)
     _steps(model, opt, rank, range(RESUME_STEPS, 2 * RESUME_STEPS))
     straight = flat_params(model, opt)
-    model2, opt2 = _fresh(2, {})
+    model2, opt2 = _fresh(*loading)
     load_checkpoint(saved, model2, opt2, progress=False)
     _steps(model2, opt2, rank, range(RESUME_STEPS, 2 * RESUME_STEPS))
     return {"saved": str(saved), "files": sorted(p.name for p in saved.iterdir()),
@@ -111,5 +124,7 @@ def quantized(rank: int) -> dict:
 
 def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
     assert world_size == WORLD_SIZE
-    return {"parity": parity(rank), "layout": layout(rank), "resume": resume(rank, directory),
+    return {"parity": parity(rank), "layout": layout(rank, HIERARCHY), "layout_hpz": layout(rank, HPZ),
+            "flat_stats": layout(rank, {})["stats"],
+            "resume": resume(rank, directory, HIERARCHY, (2, {})), "resume_hpz": resume(rank, directory, HPZ, (3, HPZ)),
             "quantized": quantized(rank)}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_world
-from tests.distributed.hierarchy_world import SCENARIOS, SHARD_SIZE, STAGES, WORLD_SIZE, hierarchy_checks
+from tests.distributed.hierarchy_world import HPZ_RUNS, SCENARIOS, SHARD_SIZE, STAGES, WORLD_SIZE, hierarchy_checks
 from tests.readouts import max_diff
 
 LOSS_RTOL = 1e-5
@@ -33,7 +33,7 @@ def hierarchy_world(tmp_path_factory):
 def test_hierarchical_stages_train_like_single_process(hierarchy_world, kind, scenario):
     runs = hierarchy_world[0]["parity"]
     ref = runs[(kind, scenario, "reference")]
-    for stage in STAGES:
+    for stage in (*STAGES, *HPZ_RUNS):
         ours = runs[(kind, scenario, stage)]
         for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"], strict=True)):
             assert a == pytest.approx(b, rel=LOSS_RTOL), f"stage {stage}, step {step}"
@@ -66,6 +66,34 @@ def test_parameters_never_cross_groups_and_each_gradient_shard_is_all_reduced_ac
         assert stats["inter_all_reduce"]["calls"] == stats["reduce_scatter"]["calls"] + 1  # + the agreement's flags
         flags = stats["all_reduce"]["numel"] // stats["all_reduce"]["calls"]
         assert stats["inter_all_reduce"]["numel"] == stats["reduce_scatter"]["numel"] // SHARD_SIZE + flags
+
+
+def test_hpz_shards_over_every_rank_and_keeps_a_secondary_copy_over_the_group(hierarchy_world):
+    for rank, result in enumerate(hierarchy_world):
+        layout = result["layout_hpz"]
+        first = rank - rank % SHARD_SIZE
+        assert layout["groups"][rank] == list(range(WORLD_SIZE))  # the runtime shards over every rank
+        assert layout["group_size"] == layout["data_parallel_size"] == WORLD_SIZE
+        assert layout["shard_numel"] * WORLD_SIZE == layout["padded_numel"]
+        assert layout["secondary_numel"] * SHARD_SIZE == layout["padded_numel"]  # the extra memory: 1/shard_size
+        assert layout["secondary_group"] == list(range(first, first + SHARD_SIZE))
+        assert result["layout"]["secondary_group"] is None  # (HSDP has none)
+
+
+def test_hpz_gathers_for_backward_inside_the_group(hierarchy_world):
+    for result in hierarchy_world:
+        flat, hpz = result["flat_stats"], result["layout_hpz"]["stats"]
+        assert "intra_all_gather" not in flat
+        # forward gathers every unit across the groups once; backward's gathers (all but the root unit, which stays
+        # gathered) move inside the group: together the flat layout's gathers, of which fewer cross groups
+        assert hpz["all_gather"]["numel"] + hpz["intra_all_gather"]["numel"] == flat["all_gather"]["numel"]
+        assert 0 < hpz["intra_all_gather"]["numel"] < hpz["all_gather"]["numel"]
+        assert hpz["reduce_scatter"] == {**flat["reduce_scatter"], "wait_s": hpz["reduce_scatter"]["wait_s"]}
+
+
+def test_hpz_resumes_from_its_own_checkpoint(hierarchy_world):
+    for result in hierarchy_world:
+        assert max_diff(result["resume_hpz"]["straight"], result["resume_hpz"]["resumed"]) <= SGD_ATOL
 
 
 def test_a_hierarchical_checkpoint_is_a_group_sized_world_and_resumes_flat(hierarchy_world):

@@ -101,9 +101,9 @@ def edit(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
 
 
 def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps: int = STEPS, *,
-          global_batch: int = GLOBAL_BATCH, communication: dict | None = None) -> dict:
+          global_batch: int = GLOBAL_BATCH, settings: dict | None = None) -> dict:
     """Train ``steps`` steps; ``mode`` is "reference" (one process, whole batch), "ddp" or "stage{0,1,2,3}";
-    ``communication``: the ZeroOptimizer's ``ZeroConfig.communication``."""
+    ``settings``: more ``ZeroConfig`` fields for the ZeroOptimizer."""
     model = build_model()
     if scenario == "finetune":  # the blocks' linear layers frozen; their LayerNorms and the rest trained
         for name, p in model.gpt.blocks.named_parameters():
@@ -120,8 +120,7 @@ def train(kind: str, scenario: str, rank: int, world_size: int, mode: str, steps
         forward = DistributedDataParallel(model, find_unused_parameters=True)
         opt, no_sync, micro_splits = optimizer, forward.no_sync, micro
     else:
-        opt = ZeroOptimizer(optimizer, model, stage=int(mode[-1]), bucket_size_mb=BUCKET_MB,
-                            communication=communication or {})
+        opt = ZeroOptimizer(optimizer, model, stage=int(mode[-1]), bucket_size_mb=BUCKET_MB, **(settings or {}))
         forward, no_sync, micro_splits = model, opt.no_sync, micro
     if scenario == "passes3":
         no_sync = nullcontext  # every pass reduces: gradients accumulate across synchronized passes

@@ -91,6 +91,9 @@ def test_the_policy_checks_its_group_size(monkeypatch):
     ({"communication": {"shard_size": 2.0}}, "shard_size"),
     ({"communication": {"block_size": 8}}, "block_size"),
     ({"communication": {"quantized_weight": True}}, "quantized_weight"),
+    ({"stage": 3, "communication": {"hierarchy": "hpz"}}, "hierarchy='hpz' needs shard_size"),
+    ({"stage": 2, "communication": {"hierarchy": "hpz", "shard_size": 2}}, "hierarchy='hpz' needs stage 3"),
+    ({"communication": {"hierarchy": "fsdp", "shard_size": 2}}, "hierarchy"),
 ])
 def test_bad_communication_settings_are_refused_by_name(settings_, match):
     from zero import ZeroConfig

@@ -8,7 +8,7 @@ only moves them between states (``zero.runtime.flat_buffer``). The attributes, b
   optimizer steps ``shard`` itself), ``grad_buffer`` (grads, stages 0-1), ``staging`` (staging: the gradient
   buffer itself when the reduction is in place), ``grad_shard_buffer`` (grad_shard, when staged; else
   ``grad_shard`` is this rank's chunk of the gradient buffer), ``grad_carry`` (stage 1 in place),
-  ``master_grad`` (the optimizer's own gradients);
+  ``master_grad`` (the optimizer's own gradients), ``secondary_buffer`` (hpZ's secondary copy);
 * ``slots``: the model parameters packed in it, whose ``.data`` are views of ``param_buffer``;
 * ``pieces``: 1D views of ``master``, one per parameter overlapping this rank's chunk: the tensors the wrapped
   ``torch.optim`` optimizer sees.
@@ -102,6 +102,7 @@ class Bucket:
         self.grad_shard_buffer: FlatBuffer | None = buffers.get(Role.GRAD_SHARD)
         self.grad_carry: FlatBuffer | None = buffers.get(Role.GRAD_CARRY)
         self.master_grad: FlatBuffer | None = buffers.get(Role.MASTER_GRAD)
+        self.secondary_buffer: FlatBuffer | None = buffers.get(Role.SECONDARY)
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
 

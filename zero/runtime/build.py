@@ -43,6 +43,7 @@ from zero.runtime.placement import Placements
 from zero.runtime.reducer import GradReducer
 from zero.runtime.release import ModelRelease, gather_dropped_shards
 from zero.runtime.runtime import Runtime
+from zero.runtime.secondary import PrimaryShards, SecondaryCopies
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.stepper import BucketStepper, ImmediateUpdate
 from zero.runtime.units import plan_units
@@ -67,7 +68,7 @@ def build_runtime(
     world = Communicator(
         process_group, config.timeout_s, device=_model_device(model, device), force_collectives=config.force_collectives
     )
-    comm = hierarchical(world, config.communication)  # the shard group's (the world's without hierarchy)
+    comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
     comm.codec = codec_of(config.communication)
     gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
     check_device_supports(config.precision, comm.device)
@@ -77,7 +78,7 @@ def build_runtime(
         _broadcast_module_states(model, world, skip=meta)
     placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
     state = per_element_state(optimizer) if placements.disk is not None else {}  # what a disk file must hold
-    partition = _build_partition(optimizer, model, config, stage, comm, placements, state)
+    partition = _build_partition(optimizer, model, config, stage, comm, placements, state, secondary)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
     for bucket in partition.buckets:
@@ -110,7 +111,7 @@ def build_runtime(
         stepper=stepper,
         update=DelayedStep(inner) if config.offload.delayed_step else ImmediateUpdate(stepper, stage, comm, paging),
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
-        gatherer=_gatherer(partition, stage, comm, config),
+        gatherer=_gatherer(partition, stage, comm, config, secondary),
         paging=paging,
         checkpointed=checkpoint_activations(model, policy) if policy is not None else None,
     )
@@ -160,6 +161,7 @@ def _build_partition(
     comm: Communicator,
     placements: Placements,
     state: dict[str, torch.dtype],
+    secondary: Communicator | None,
 ) -> Partition:
     """The buckets (and their plan) of this rank, after checking that the offloaded side fits in host memory (or,
     on disk, with the optimizer's per-element ``state``, that the disk has room for the plan)."""
@@ -174,7 +176,7 @@ def _build_partition(
         optimizer,
         model,
         bucket_size_bytes=config.bucket_size_bytes,
-        policy=stage.policy(comm.world_size),
+        policy=stage.policy(comm.world_size, secondary_shards=secondary.world_size if secondary else 1),
         shard_index=comm.rank if num_shards > 1 else 0,
         plan=plan,
         device=comm.device,
@@ -211,7 +213,9 @@ def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[
     return lambda params: plan_units(model, params, unit_classes=config.unit_classes, unit_size_bytes=unit_size_bytes)
 
 
-def _gatherer(partition: Partition, stage: Stage, comm: Communicator, config: ZeroConfig) -> ParamGatherer | NoGatherer:
+def _gatherer(
+    partition: Partition, stage: Stage, comm: Communicator, config: ZeroConfig, secondary: Communicator | None
+) -> ParamGatherer | NoGatherer:
     if not isinstance(stage, Stage3):
         return NoGatherer()
     return ParamGatherer(
@@ -221,6 +225,7 @@ def _gatherer(partition: Partition, stage: Stage, comm: Communicator, config: Ze
         comm,
         reshard_after_forward=config.reshard_after_forward,
         prefetch=config.prefetch_units,
+        source=SecondaryCopies(secondary) if secondary is not None else PrimaryShards(),
     )
 
 

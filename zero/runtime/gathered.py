@@ -42,6 +42,7 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
                 bucket.check_attached(whole=True)
                 stage.write_back(bucket)
                 stage.detach_storage(bucket)
+            gatherer.forget(unit)
             gatherer.reshard(unit)
 
 

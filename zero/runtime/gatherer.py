@@ -61,6 +61,7 @@ from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket
 from zero.runtime.post_backward import hook_input_gradients
 from zero.runtime.saved_params import SavedParamCheck
+from zero.runtime.secondary import PrimaryShards
 from zero.runtime.stages.stage3 import Stage3
 from zero.runtime.units import UnitSpec
 from zero.weak import weak_hook
@@ -113,10 +114,12 @@ class ParamGatherer:
         *,
         reshard_after_forward: bool,
         prefetch: int,
+        source: PrimaryShards | None = None,
     ):
         self.units = [Unit(i, spec, [b for b in buckets if b.unit is spec]) for i, spec in enumerate(specs)]
         self.stage = stage
         self.comm = comm
+        self.source = source or PrimaryShards()  # where each gather reads (hpZ: backward's from secondary copies)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self._depth = 0  # units whose forward is running (nested)
@@ -149,11 +152,17 @@ class ParamGatherer:
 
     # ----- unshard / reshard ------------------------------------------------------------------------
 
+    def forget(self, unit: Unit) -> None:
+        """The shards of ``unit`` were written (``gathered_parameters()``): no copy of them is current."""
+        self.source.forget(unit.buckets)
+
     def unshard(self, unit: Unit, *, exact: bool = False) -> None:
         """Start gathering ``unit`` (no-op unless sharded); ``exact``: never through a lossy codec."""
         if unit.state is not UnitState.SHARDED:
             return
-        unit.handles = [self.stage.unshard(bucket, self.comm, exact=exact) for bucket in unit.buckets]
+        backward = _in_backward()
+        unit.handles = [self.source.unshard(self.stage, bucket, self.comm, exact=exact, backward=backward)
+                        for bucket in unit.buckets]
         unit.state = UnitState.GATHERING
         self._fingerprint = (self._fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
 
@@ -170,6 +179,7 @@ class ParamGatherer:
                     raise RuntimeError(f"{err}\nzero: {self._divergence}") from err
             unit.handles = []
             for bucket in unit.buckets:
+                self.source.gathered(bucket)
                 self.stage.attach(bucket)
             unit.state = UnitState.GATHERED
 
@@ -186,6 +196,7 @@ class ParamGatherer:
         self._depth = 0
         self._finished = None
         self._pass.forget()
+        self.source.forget([bucket for unit in self.units for bucket in unit.buckets])
         for unit in self.units:
             if unit not in keep:
                 self.reshard(unit)

@@ -21,6 +21,8 @@ grad_shard    C       reduce    optimizer    this rank's reduced, averaged chunk
                                              when in place)
 grad_carry    C       compute   device       stage 1: reduced gradients set aside while another pass adds to them
 master_grad   C       master    optimizer    the optimizer's gradients when ``grad_shard`` cannot be them
+secondary     P / g   compute   device       stage 3 with hpZ: this rank's chunk of the parameters within its group
+                                             of ``g`` ranks, refreshed by forward's gathers, backward's source
 ============  ======  ========  ===========  ===================================================================
 """
 
@@ -45,6 +47,7 @@ class Role(Enum):
     GRAD_SHARD = "grad_shard"
     GRAD_CARRY = "grad_carry"
     MASTER_GRAD = "master_grad"
+    SECONDARY = "secondary"
 
 
 SIDES = {Role.SHARD: "shard", Role.MASTER: "optimizer", Role.GRAD_SHARD: "optimizer", Role.MASTER_GRAD: "optimizer"}
@@ -83,6 +86,7 @@ class StagePolicy:
     sharded_params: bool  # stage 3: only a chunk of the parameters persists
     reduce: str  # the gradient collective
     gather: str | None  # the parameters' collective: "after the step" (stages 1-2), "per unit" (stage 3)
+    secondary_shards: int = 1  # hpZ: the group size of the secondary copy of the parameters (1: none)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,8 @@ def plan_bucket(
     buffers = [BufferSpec(Role.PARAMS, P, dtypes.compute, device, resident=not policy.sharded_params)]
     if policy.sharded_params:
         buffers.append(BufferSpec(Role.SHARD, C, dtypes.compute, shard_side, resident=True))
+    if policy.secondary_shards > 1:
+        buffers.append(BufferSpec(Role.SECONDARY, P // policy.secondary_shards, dtypes.compute, device, resident=True))
     if not trainable:
         return BucketPlan(layout, dtypes, False, tuple(buffers), None, policy.gather)
     offloaded = placements.optimizer_offloaded

@@ -40,8 +40,8 @@ class Stage0:
         """Move the bucket's parameters into its flat buffer, whole (stages 0-2)."""
         bucket.pack_params()
 
-    def policy(self, world_size: int) -> StagePolicy:
-        """What this stage keeps per bucket, for the plan."""
+    def policy(self, world_size: int, secondary_shards: int = 1) -> StagePolicy:
+        """What this stage keeps per bucket, for the plan (``secondary_shards``: hpZ's group size, stage 3)."""
         return StagePolicy(
             number=self.number,
             num_shards=self.num_shards(world_size),
@@ -51,6 +51,7 @@ class Stage0:
             sharded_params=self.sharded_params,
             reduce=self.reduce_collective,
             gather=self.gather_collective,
+            secondary_shards=secondary_shards,
         )
 
     def init_grads(self, bucket: Bucket) -> None:

@@ -44,13 +44,17 @@ class Stage3(Stage2):
 
     # ----- gathering, driven by ParamGatherer --------------------------------------------------------
 
-    def unshard(self, bucket: Bucket, comm: Communicator, *, exact: bool = False) -> Handle:
+    def unshard(
+        self, bucket: Bucket, comm: Communicator, *, exact: bool = False, source: torch.Tensor | None = None
+    ) -> Handle:
         """Allocate ``param_buffer`` and start gathering every rank's chunk into it (through the communicator's
-        codec, which may quantize, unless ``exact``: gathers outside training, whose values the user keeps)."""
+        codec, which may quantize, unless ``exact``: gathers outside training, whose values the user keeps).
+        ``source``: this rank's chunk over ``comm``'s ranks, if not its shard (hpZ's secondary copy)."""
         assert bucket.shard_buffer is not None
         bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
-        bucket.shard_buffer.prefetch()  # on disk: read ahead, as far ahead as the gatherer unshards units
-        source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
+        if source is None:
+            bucket.shard_buffer.prefetch()  # on disk: read ahead, as far ahead as the gatherer unshards units
+            source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
         handle = comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}", exact=exact)
         bucket.param_buffer.start_collective()
         return handle
