@@ -101,10 +101,8 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
                        "torch.autocast is yours to call; zero's precision is precision.param_dtype (bf16/fp16)"),
     f"{ZO}.load_from_fp32_weights": ((True,), "zero's checkpoints always restore the fp32 master"),
     f"{ZO}.elastic_checkpoint": ((False,), "zero's checkpoints reshard on load (zero.load_checkpoint) anyway"),
-    f"{ZO}.zero_hpz_partition_size": ((1,), "ZeRO++ hierarchical partitioning is not supported yet"),
-    f"{ZO}.zero_quantized_weights": ((False,), "ZeRO++ quantized weights are not supported yet"),
-    f"{ZO}.zero_quantized_nontrainable_weights": ((False,), "ZeRO++ quantized weights are not supported yet"),
-    f"{ZO}.zero_quantized_gradients": ((False,), "ZeRO++ quantized gradients are not supported yet"),
+    f"{ZO}.zero_quantized_nontrainable_weights": ((False,), "zero quantizes every stage-3 gather, frozen weights "
+                                                  "included, or none: use zero_quantized_weights"),
     f"{ZO}.mics_shard_size": ((-1,), "MiCS sub-group sharding is not supported; zero shards over the whole group"),
     f"{ZO}.mics_hierarchical_params_gather": ((False,), "MiCS is not supported"),
     f"{ZO}.legacy_stage1": ((False,), "DeepSpeed's legacy stage 1 has no equivalent"),
@@ -137,6 +135,7 @@ MAPPED = {
     "communication_data_type",
     f"{ZO}.stage", f"{ZO}.reduce_bucket_size", f"{ZO}.allgather_bucket_size", f"{ZO}.offload_optimizer",
     f"{ZO}.offload_param", f"{ZO}.offload_optimizer.device", f"{ZO}.offload_param.device",
+    f"{ZO}.zero_quantized_weights", f"{ZO}.zero_quantized_gradients", f"{ZO}.zero_hpz_partition_size",
     "fp16.enabled", "fp16.auto_cast", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
     "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
 }
@@ -271,6 +270,7 @@ class _Reader:
             fields["precision"] = precision
         fields.update(self.buckets(zo, stage, param_dtype))
         fields["offload"] = self.offload(zo, stage)
+        fields["communication"] = self.communication(zo, stage)
         clip = self.get(data, "gradient_clipping", float, 0.0)
         if clip < 0:
             raise ValueError(f"DeepSpeed key gradient_clipping={clip} must be >= 0 (0: no clipping)")
@@ -336,6 +336,23 @@ class _Reader:
             raise ValueError(f"DeepSpeed key {ZO}.offload_optimizer.device='cpu' needs {ZO}.stage 1, 2 or 3 "
                              "(got 0): stage 0 keeps the whole optimizer state on every rank.")
         return offload
+
+    def communication(self, zo: Mapping[str, Any], stage: int) -> dict[str, Any]:
+        """ZeRO++: quantized weights (qwZ) and gradients (qgZ), and hierarchical partitioning (hpZ)."""
+        comm: dict[str, Any] = {
+            "quantized_weights": self.get(zo, f"{ZO}.zero_quantized_weights", bool, False),
+            "quantized_gradients": self.get(zo, f"{ZO}.zero_quantized_gradients", bool, False),
+        }
+        hpz = self.get(zo, f"{ZO}.zero_hpz_partition_size", int, 1)
+        if hpz < 1:
+            raise ValueError(f"DeepSpeed key {ZO}.zero_hpz_partition_size={hpz} must be at least 1 (1: off)")
+        if hpz > 1:
+            comm.update(shard_size=hpz, hierarchy="hpz")
+        for key, on in (("zero_quantized_weights", comm["quantized_weights"]), ("zero_hpz_partition_size", hpz > 1)):
+            if on and stage != 3:
+                raise ValueError(f"DeepSpeed key {ZO}.{key} needs {ZO}.stage 3 (got {stage}): it concerns the "
+                                 "parameter gathers only stage 3 makes. Set stage 3, or remove it.")
+        return comm
 
     def get(self, section: Mapping[str, Any], path: str, kind: type, default: Any, auto: bool = False) -> Any:
         """``section[last part of path]`` checked to be a ``kind`` (JSON's 5e8 counts as an int), or

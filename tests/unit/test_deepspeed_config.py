@@ -136,8 +136,11 @@ def test_unknown_and_unsupported_keys_are_refused_by_name():
     refused({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}},
             "unknown DeepSpeed key zero_optimization.reduce_bucket_sise")
     refused({"pipeline": {"stages": 2}}, "unknown DeepSpeed key pipeline")
-    refused({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
-            "zero_optimization.zero_quantized_gradients=True", "ZeRO++")
+    refused({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+            "zero_optimization.zero_quantized_nontrainable_weights=True", "zero_quantized_weights")
+    refused({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+            "zero_optimization.zero_quantized_weights needs zero_optimization.stage 3")
+    refused({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}}, "must be at least 1")
     refused({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
             "zero_optimization.offload_param.device='cpu' needs zero_optimization.stage 3")
     refused({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -146,6 +149,16 @@ def test_unknown_and_unsupported_keys_are_refused_by_name():
     refused({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage='2' must be an int")
     # a feature switched off (DeepSpeed's default) changes nothing and passes
     ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_gradients": False}})
+
+
+def test_zero_plus_plus_flags_map_to_the_communication_policy():
+    config = ZeroConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}},
+    ).config
+    assert config.communication.quantized_weights and config.communication.quantized_gradients
+    assert (config.communication.shard_size, config.communication.hierarchy) == (8, "hpz")
+    plain = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}).config
+    assert plain.communication.quantized_gradients and plain.communication.shard_size is None
 
 
 def test_optimizer_section():
