@@ -368,3 +368,14 @@ def test_backward_reading_a_released_unit_raises_instead_of_reading_stale_memory
     inner.remove()
     with pytest.raises(RuntimeError, match=r"backward needs the parameters of unit 'blocks.1', which were released"):
         loss.backward()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_modifier_rank_must_be_a_rank_of_the_group(stage):
+    model = Blocks()
+    opt = zero.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
+    with pytest.raises(ValueError, match=r"modifier_rank=1 is not a rank of this ZeroOptimizer's group \(0..0\)"):
+        with opt.gathered_parameters(modifier_rank=1):
+            pass
+    with opt.gathered_parameters(modifier_rank=0):  # (a world of one: its only rank)
+        pass

@@ -66,11 +66,11 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.o
     opt = optimizer if isinstance(optimizer, ZeroOptimizer) else ZeroOptimizer(optimizer, model, **zero_config)
     if opt.module is not model:
         raise ValueError("the ZeroOptimizer passed to prepare() wraps another model")
-    if accelerator.num_processes != opt.comm.world_size:
+    if accelerator.num_processes != opt.comm.data_parallel_size:
         raise ValueError(
             f"Accelerate sees {accelerator.num_processes} process(es) but the ZeroOptimizer's process group has "
-            f"{opt.comm.world_size} ranks, so Accelerate would neither split the data nor keep to the main process "
-            "where it should. On CPU under torchrun, build Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1), so "
+            f"{opt.comm.data_parallel_size} ranks, so Accelerate would neither split the data nor keep to the main "
+            "process where it should. On CPU under torchrun, build Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1), so "
             "that Accelerate joins the process group"
         )
     model.no_sync = WeakNoSync(opt)  # what accelerator.no_sync()/accumulate() call on a DDP model

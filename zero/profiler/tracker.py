@@ -325,8 +325,9 @@ def _run_info(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters keep their whole shape
         params = sum(p.numel() for p in model.parameters())
     comm = getattr(optimizer, "comm", None) if hasattr(optimizer, "named_memory") else None
-    if comm is not None:
-        world, rank = comm.world_size, comm.rank
+    if comm is not None:  # (with hierarchical sharding: every rank of the job, not the shard group's)
+        world = comm.data_parallel_size
+        rank = dist.get_rank() if comm.replicas is not None else comm.rank
     elif dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
     else:

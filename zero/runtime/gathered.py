@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from zero.comm import Communicator
 from zero.runtime.bucket import Bucket
 from zero.runtime.reducer import GradState
 from zero.runtime.runtime import Runtime, wait_all
@@ -23,6 +24,8 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
     gatherer, stage = runtime.gatherer, runtime.stage
     if runtime.reducer.state is GradState.REDUCING or gatherer.in_forward:
         raise ValueError("gathered_parameters() cannot be used inside forward or backward")
+    if modifier_rank is not None:
+        _check_modifier(modifier_rank, runtime.comm)
     buckets = buckets_of(runtime, targets)
     units = gatherer.units_of(s.param for b in buckets for s in b.slots)
     for unit in units:
@@ -44,6 +47,15 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
                 stage.detach_storage(bucket)
             gatherer.forget(unit)
             gatherer.reshard(unit)
+
+
+def _check_modifier(rank: int, comm: Communicator) -> None:
+    if 0 <= rank < comm.world_size:
+        return
+    if comm.replicas is not None:
+        raise ValueError(f"modifier_rank={rank} is not a rank of the shard group (0..{comm.world_size - 1}): with "
+                         "hierarchical sharding, edit on a rank of the first group (its edits reach every rank)")
+    raise ValueError(f"modifier_rank={rank} is not a rank of this ZeroOptimizer's group (0..{comm.world_size - 1})")
 
 
 def buckets_of(runtime: Runtime, targets: Targets) -> list[Bucket]:
