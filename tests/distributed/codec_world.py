@@ -8,7 +8,8 @@ One world per world size runs both parts and returns plain data; the test compar
   input) and through one with the test double (``tests.codecs.Bf16WireCodec``);
 * ``training`` (world sizes 2 and 3): a small GPT trained with SGD at stages 2 and 3, once with the identity codec
   and once with the double swapped in after construction, recording losses, the final parameters, and per step
-  ``opt.comm_stats`` and what the double counted.
+  ``opt.comm_stats`` and what the double counted; and the runs of ``traffic_world.MIXED_CASES`` (the estimator's
+  traffic under mixed precision).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.codecs import Bf16WireCodec
+from tests.distributed.traffic_world import MIXED_CASES, steady_step_stats
 from zero import ZeroOptimizer
 from zero.codec import PerCollective, QuantizedGradients, QuantizedWeights
 from zero.comm import Communicator
@@ -155,4 +157,6 @@ def codec_checks(rank: int, world_size: int) -> dict:
                                       "double": _train(rank, world_size, stage, swap=True),
                                       "quantized": _train(rank, world_size, stage, False, QUANTIZED[stage])}
                               for stage in STAGES}
+        result["mixed"] = [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, *case)
+                           for case in MIXED_CASES]  # for the estimator (traffic_world)
     return result

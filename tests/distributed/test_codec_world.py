@@ -18,6 +18,9 @@
   ``zero.quantization`` states, this rank's own chunk exact, the int8 packets counted as the bytes on the wire; and
   trained through ``ZeroConfig.communication`` (qgZ at stage 2, qwZ and qgZ at stage 3): the same payload per
   step at about a quarter of the bytes, losses and parameters within 2% of the identity run's, and different.
+* The estimator (``zero.estimate(..., communication=...).traffic``) prices every step of those runs, and of a GPT
+  under both mixed precisions (``traffic_world.MIXED_CASES``), exactly: calls, elements and bytes on the wire of
+  every collective kind equal ``opt.comm_stats``'.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import pytest
 import torch
 
 from tests.codecs import FP32_REL, gather_bound, reduce_bound
-from tests.distributed.codec_world import BLOCK, KINDS, STAGES, N, codec_checks, inputs_of
+from tests.distributed.codec_world import BLOCK, BUCKET_MB, CFG, KINDS, QUANTIZED, STAGES, N, codec_checks, inputs_of
 from tests.distributed.harness import run_world
+from tests.distributed.traffic_world import MIXED_CASES, estimated_stats, gpt_workload, measured
 from zero import quantization
 
 TRAIN_RTOL = 2.0**-8  # the double's bound: one bfloat16 rounding
@@ -194,3 +198,23 @@ def test_training_with_the_quantized_codecs_stays_close_and_sends_about_a_quarte
                 assert entry["numel"] == plain[kind]["numel"], kind  # the same payload, fewer bytes
                 ratio = entry["bytes"] / (4 * entry["numel"])
                 assert 0.25 < ratio < 0.4 if kind in quantized_kinds else ratio == 1, (kind, ratio)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_estimator_prices_each_steps_traffic_exactly(codec_world, stage):
+    world_size, results = codec_world[0], _training(codec_world)
+    for run, communication in (("identity", {}), ("quantized", QUANTIZED[stage])):
+        expected = estimated_stats(gpt_workload(CFG), stage=stage, world_size=world_size, bucket_size_mb=BUCKET_MB,
+                                   communication=communication)
+        for result in results:
+            for step, stats in enumerate(result["training"][stage][run]["stats"]):
+                assert measured(stats) == expected, (run, step)
+
+
+def test_the_estimator_prices_the_wire_dtype_under_mixed_precision(codec_world):
+    world_size, results = codec_world[0], _training(codec_world)
+    for case, (stage, precision, communication) in enumerate(MIXED_CASES):
+        expected = estimated_stats(gpt_workload(CFG), stage=stage, world_size=world_size, precision=precision,
+                                   bucket_size_mb=BUCKET_MB, communication=communication)
+        for result in results:
+            assert result["mixed"][case] == expected, MIXED_CASES[case]

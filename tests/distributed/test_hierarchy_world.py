@@ -17,6 +17,7 @@ import torch
 
 from tests.distributed.harness import run_world
 from tests.distributed.hierarchy_world import HPZ_RUNS, SCENARIOS, SHARD_SIZE, STAGES, WORLD_SIZE, hierarchy_checks
+from tests.distributed.traffic_world import BUCKET_MB, CFG, HIERARCHY_CASES, estimated_stats, gpt_workload
 from tests.readouts import max_diff
 
 LOSS_RTOL = 1e-5
@@ -123,3 +124,17 @@ def test_gathers_outside_training_are_exact_under_quantized_weights(hierarchy_wo
         q = result["quantized"]
         assert torch.equal(q["before"], q["initial"])  # after a forward left int8 copies gathered
         assert torch.equal(q["closed"], q["after"])  # close() gives back the masters, not int8 copies
+
+
+@pytest.mark.parametrize("case", range(len(HIERARCHY_CASES)), ids=lambda i: "-".join(
+    [f"stage{HIERARCHY_CASES[i][0]}", HIERARCHY_CASES[i][1], *(f"{k}={v}" for k, v in HIERARCHY_CASES[i][2].items())]))
+def test_the_estimator_prices_each_levels_traffic_exactly(hierarchy_world, case):
+    """``zero.estimate``'s traffic (``traffic_world``): calls, elements and bytes on the wire of every kind, inside
+    the groups and across them (``inter_<kind>``), equal ``opt.comm_stats``' of a steady step on every rank."""
+    stage, precision, communication = HIERARCHY_CASES[case]
+    expected = estimated_stats(gpt_workload(CFG), stage=stage, world_size=WORLD_SIZE, precision=precision,
+                               bucket_size_mb=BUCKET_MB, communication=communication)
+    if communication.get("shard_size"):
+        assert {"inter_all_reduce", "all_gather", "reduce_scatter"} <= set(expected)  # both levels priced
+    for rank, result in enumerate(hierarchy_world):
+        assert result["traffic"][case] == expected, (rank, HIERARCHY_CASES[case])

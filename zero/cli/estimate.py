@@ -11,10 +11,12 @@ from typing import Any
 
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
+from zero.communication import Communication
 from zero.config import ZeroConfig
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, plan
 from zero.estimator.offloading import BUFFER_COUNTS, DISK_PATH, OffloadChoice
+from zero.estimator.traffic import Traffic
 from zero.estimator.workload import POLICIES, Workload
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
@@ -29,6 +31,7 @@ HOST_MEMORY = (MiB, 64 * TiB)
 WORLD_SIZES = (1, 2**20)
 MICRO_BATCHES = (1, 2**16)
 SHOWN = (1, 10_000)
+BLOCK_SIZES = (16, 2**20)  # as zero.Communication.block_size takes it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf-config", metavar="PATH",
                         help="plan for a Hugging Face causal LM built from this config.json (or a directory "
                         "holding one), trained on its own loss; replaces the GPT options but --seq-len")
+    parser.add_argument("--quantized-weights", action="store_true",
+                        help="stage 3 only: all-gather parameters as int8 blocks with an fp32 scale each (ZeRO++ qwZ, "
+                        "communication.quantized_weights); lossy, about 0.27x fp32's bytes")
+    parser.add_argument("--quantized-gradients", action="store_true",
+                        help="stages 1-3: reduce-scatter gradients as int8 blocks through one all-to-all (ZeRO++ qgZ, "
+                        "communication.quantized_gradients); lossy")
+    parser.add_argument("--block-size", type=whole_number(*BLOCK_SIZES), default=256,
+                        help=f"elements per quantization block (one fp32 scale each), "
+                        f"{whole_number_range(*BLOCK_SIZES)} (default 256)")
+    parser.add_argument("--shard-size", type=whole_number(*WORLD_SIZES), default=None,
+                        help=f"stages 1-3, hierarchical sharding (HSDP): shard the model states over groups of this "
+                        f"many consecutive ranks (e.g. one machine's GPUs) and replicate across groups; must divide "
+                        f"--world-size, {whole_number_range(*WORLD_SIZES)} (default: one group of every rank)")
     parser.add_argument("--no-sync-accumulation", action="store_true",
                         help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
                         "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
@@ -84,7 +100,15 @@ def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
         kwargs["offload"] = OffloadChoice(optimizer, params, getattr(e, "buffer_count", 2)).config()
     if e.checkpointing:
         kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
+    if getattr(e, "communication_config", None):  # (e.communication is the memory category)
+        kwargs["communication"] = dict(e.communication_config)
     return kwargs
+
+
+def communication(args: argparse.Namespace) -> dict[str, Any]:
+    """``ZeroConfig(communication=...)``'s value for the options (only what differs from the defaults)."""
+    return Communication(quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
+                         block_size=args.block_size, shard_size=args.shard_size).model_dump(exclude_defaults=True)
 
 
 def zero_config(e: Estimate) -> ZeroConfig:
@@ -119,12 +143,13 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
+    policy = communication(args)
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
                   precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress,
-                  host_memory=args.host_memory, buffer_count=args.buffer_count)
+                  host_memory=args.host_memory, buffer_count=args.buffer_count, communication=policy)
     budget = 0.9 * args.gpu_memory
     host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
-    print(f"\nper-rank peak, {args.precision} precision, {_count(args.world_size, 'rank')}, "
+    print(f"\nper-rank peak, {args.precision} precision, {_ranks(args)}{_quantized(args)}, "
           f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)}){host}")
     shown = result.fits[: args.show]
     if shown:
@@ -143,6 +168,11 @@ def _plan_and_print(args: argparse.Namespace) -> int:
         print(f"\ndoes not fit ({len(result.rejected)}), smallest first:")
         for e, why in rejected:
             print(f"  {_label(e):<44} {why}")
+    first = shown[0] if shown else rejected[0][0] if rejected else None
+    if first is not None:
+        print(f"\ntraffic per step of the {'first' if shown else 'smallest'} ({_label(first)}; rank 0's bytes on "
+              "the wire, as opt.comm_stats counts them):")
+        _traffic_table(first.traffic, hierarchical=first.group_size < first.world_size)
     if args.json:
         data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],
                 "rejected": [{**e.as_dict(), "zero_config": zero_config_kwargs(e), "why": why}
@@ -159,6 +189,32 @@ def _plan_and_print(args: argparse.Namespace) -> int:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _ranks(args: argparse.Namespace) -> str:
+    ranks = _count(args.world_size, "rank")
+    if args.shard_size is None or args.shard_size == args.world_size:
+        return ranks
+    return f"{ranks} ({_count(args.world_size // args.shard_size, 'shard group')} of {args.shard_size})"
+
+
+def _quantized(args: argparse.Namespace) -> str:
+    what = [w for w, on in (("weights", args.quantized_weights), ("gradients", args.quantized_gradients)) if on]
+    return f", int8 {' and '.join(what)} (blocks of {args.block_size})" if what else ""
+
+
+def _traffic_table(traffic: Traffic, hierarchical: bool) -> None:
+    """One row per collective kind, level and dtype on the wire, then the total (per level with hierarchy)."""
+    if not traffic.collectives:
+        print("  nothing: one rank (or one per group) sends no collective")
+        return
+    print(f"  {'collective':<15} {'level':<6} {'dtype':<6} {'calls':>6} {'elements':>9} {'bytes':>10}")
+    for c in traffic.collectives:
+        print(f"  {c.kind:<15} {c.level:<6} {c.dtype:<6} {c.calls:>6} {format_count(c.numel):>9} "
+              f"{format_bytes(c.bytes):>10}")
+    levels = (f" (intra {format_bytes(traffic.level_bytes('intra'))} inside the shard groups, inter "
+              f"{format_bytes(traffic.level_bytes('inter'))} across them)") if hierarchical else ""
+    print(f"  {'total':<15} {'':<6} {'':<6} {'':>6} {'':>9} {format_bytes(traffic.bytes):>10}{levels}")
 
 
 def _label(e: Estimate) -> str:

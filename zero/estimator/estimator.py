@@ -17,6 +17,10 @@ cannot see: buffers that kernels allocate inside themselves (e.g. CPU bf16 matmu
 tensors do not run, and those collectives allocate for themselves (NCCL's are outside PyTorch's
 allocator; gloo's are reported by the tracker as ``communication/collective internals``).
 
+Each estimate also carries one step's collectives under the configuration's ``communication`` policy (ZeRO++'s
+quantized weights and gradients, hierarchical sharding), as ``opt.comm_stats`` counts them
+(:mod:`zero.estimator.traffic`).
+
 :func:`trace` is the older forward-only census (saved bytes per block) that activation-checkpointing
 policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the ZeRO paper's formulas.
 """
@@ -33,6 +37,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zero.activations import MATMULS
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
 from zero.estimator.schedule import Options, replay
+from zero.estimator.traffic import (
+    CommunicationArg,
+    Traffic,
+    check_stage,
+    communication_policy,
+    stages_for,
+    step_traffic,
+)
 from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
 from zero.precision import DTYPES, MixedPrecision
@@ -178,7 +190,8 @@ def _leave(stack: list[str]):
 
 @dataclass(frozen=True)
 class Estimate:
-    """Rank 0's peak bytes of one training step, by the tracker's categories, and where it happens."""
+    """Rank 0's peak bytes of one training step, by the tracker's categories, and where it happens; and the step's
+    traffic."""
 
     stage: int
     world_size: int
@@ -195,6 +208,9 @@ class Estimate:
     optimizer_offload: str = "none"  # where the optimizer's side lives: "none" (the device), "cpu" or "disk"
     params_offload: str = "none"  # stage 3's parameter shards: "none" (the device), "cpu" or "disk"
     buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
+    communication_config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig(communication=...) (no defaults)
+    group_size: int = 0  # ranks the model states are sharded over: world_size, or hierarchical sharding's shard_size
+    traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
 
     @property
     def peak(self) -> float:
@@ -210,7 +226,7 @@ class Estimate:
         and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
         categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
         return {**asdict(self), "categories": categories, "host": round(self.host), "disk": round(self.disk),
-                "peak": sum(categories.values())}
+                "peak": sum(categories.values()), "traffic": self.traffic.as_dict()}
 
 
 def estimate(
@@ -228,6 +244,7 @@ def estimate(
     no_sync: bool = False,
     params_offload: str = "none",
     buffer_count: int = 2,
+    communication: CommunicationArg = None,
 ) -> Estimate:
     """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
@@ -249,6 +266,11 @@ def estimate(
     the offload file. ``no_sync``: gradient accumulation with earlier micro-batches under ``opt.no_sync()`` (the
     Trainer's and Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces
     them (at stages 2-3 too).
+    ``communication``: ``ZeroConfig(communication=...)``'s policy (a :class:`zero.Communication` or a mapping; default
+    exact and flat). With ``shard_size`` the model states are those of a ``shard_size``-rank world (each rank holds
+    ``1/shard_size``). The estimate's ``traffic`` is one step's collectives, what ``opt.comm_stats`` counts (by kind,
+    wire dtype and level: ``"intra"`` inside the shard group, the whole world without hierarchy, ``"inter"`` across
+    groups; :mod:`zero.estimator.traffic`).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
@@ -256,7 +278,9 @@ def estimate(
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     _precision(precision)
     choice = offload_choice(offload, params_offload, stage, buffer_count)
-    layout = workload.layout(stage, world_size, precision, bucket_size_mb, choice)
+    policy, group = communication_policy(communication, world_size)
+    check_stage(policy, stage)
+    layout = workload.layout(stage, group, precision, bucket_size_mb, choice)
     peak = replay(
         workload.timeline(micro_batch, precision, checkpointing),
         layout,
@@ -268,6 +292,9 @@ def estimate(
         checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
         module=peak.module, event=peak.event, disk=peak.off.disk, optimizer_offload=choice.optimizer,
         params_offload=choice.params, buffer_count=choice.buffer_count,
+        communication_config=policy.model_dump(exclude_defaults=True), group_size=group,
+        traffic=step_traffic(stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy, group,
+                             world_size),
     )
 
 
@@ -289,6 +316,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     host_memory: float | None = None,
     buffer_count: int = 2,
+    communication: CommunicationArg = None,
 ) -> Plan:
     """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
     ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), and whose host bytes fit in
@@ -300,13 +328,15 @@ def plan(
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload before CPU offload before disk (host transfers, then
     disk reads and writes: the slowest), lower stage (stage 3 moves 1.5x the data).
-    ``precision`` (``"fp32"`` by default) and ``no_sync``: see :func:`estimate`.
+    ``precision`` (``"fp32"`` by default), ``no_sync`` and ``communication``: see :func:`estimate` (only the stages
+    ``ZeroConfig`` runs the policy at are tried: quantized weights need stage 3, the rest stages 1-3).
     ``progress`` is told about each trace as it starts."""
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"host memory must be positive (or None: no host budget), got {host_memory}")
     budget = headroom * gpu_memory
+    stages = stages_for(communication_policy(communication, world_size)[0], STAGES)  # (and shard_size divides it)
     offloads = OFFLOADS if host_memory is not None else OFFLOADS[:2]
     fits, rejected = [], []
     for micro in micro_batches:
@@ -314,10 +344,11 @@ def plan(
             if progress is not None:
                 progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
             for offload in offloads:
-                for stage in STAGES[1:] if offload != "none" else STAGES:  # offload needs stage 1-3 (zero.offload)
+                for stage in [s for s in stages if s or offload == "none"]:  # offload needs stage 1-3 (zero.offload)
                     e = estimate(
                         workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
                         offload=offload, checkpointing=checkpointing, no_sync=no_sync, buffer_count=buffer_count,
+                        communication=communication,
                     )
                     why = _why(e, budget, host_memory)
                     if why:

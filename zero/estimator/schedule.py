@@ -29,6 +29,7 @@ from typing import Callable
 
 from zero.estimator.offloading import OffBytes, OffloadChoice, window
 from zero.estimator.timeline import Point, Timeline
+from zero.estimator.traffic import Wire
 from zero.runtime.reduction_order import ReductionOrder
 
 
@@ -48,6 +49,7 @@ class BucketBytes:
     unit: str | None  # stage 3: the unit that gathers it
     host: int = 0  # its buffers the plan puts in host memory (offload to the CPU)
     disk: int = 0  # the offload file's bytes for it: its buffers there and its optimizer state (page-rounded)
+    wire: Wire | None = None  # what its collectives move (zero.estimator.traffic)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Layout:
     units: tuple[str, ...] = ()  # stage 3, root first
     disk: int = 0  # offload to disk: the offload file (zero.runtime.disk.planned_disk_bytes)
     disk_state: int = 0  # ... of which bytes per element of optimizer state (the rest of the state stays in memory)
+    slots: int = 0  # trainable parameters (a flag each in the end of backward's agreement)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class Peak:
     module: str
     event: str
     off: OffBytes = OffBytes(0.0, 0.0)  # host memory and disk
+    gathers: dict[str, int] = field(default_factory=dict)  # stage 3: how many times the step gathers each unit
 
     @property
     def total(self) -> float:
@@ -168,6 +172,7 @@ class _Gathering:
     got: dict[str, int] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)  # forward calls whose inputs' gradients are not computed
     in_backward: set[str] = field(default_factory=set)
+    gathers: dict[str, int] = field(default_factory=dict)  # all-gathers issued, by unit (zero.estimator.traffic)
 
     @property
     def bytes(self) -> int:
@@ -178,14 +183,19 @@ class _Gathering:
     def in_flight(self) -> int:
         return sum(self.unit_bytes[u] for u in self.prefetched)
 
+    def _gather(self, units: set[str]) -> None:
+        for unit in units - self.gathered:  # (a unit already gathered sends nothing)
+            self.gathers[unit] = self.gathers.get(unit, 0) + 1
+        self.gathered |= units
+
     def _use(self, unit: str) -> None:
-        self.gathered.add(unit)
+        self._gather({unit})
         self.prefetched.discard(unit)
 
     def _prefetch(self, order: list[str], unit: str) -> None:
         at = order.index(unit) + 1 if unit in order else len(order)
         started = set(order[at : at + self.prefetch]) - self.gathered
-        self.gathered |= started
+        self._gather(started)
         self.prefetched |= started
 
     def _release_finished(self, keep: str) -> None:
@@ -308,6 +318,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     for temporaries, gradients in ((step.adopt, grads + master_grads), (step.update, grads + master_grads)):
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
+    if gathering is not None:
+        best.gathers = dict(gathering.gathers)
     return best
 
 

@@ -18,6 +18,7 @@ from zero.activations import ActivationCheckpointing, checkpoint_activations
 from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
+from zero.estimator.traffic import Wire
 from zero.precision import DTYPES, MixedPrecision, full_precision_parameters
 from zero.runtime.bucket import adopt_edits_
 from zero.runtime.disk import planned_disk_bytes
@@ -165,7 +166,8 @@ class Workload:
     def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25,
                offload: OffloadChoice = OffloadChoice()) -> Layout:
         """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
-        ``offload``'s placements: which buffers are off the device, and where)."""
+        ``offload``'s placements: which buffers are off the device, and where). ``world_size`` is the ranks the
+        model states are sharded over: with hierarchical sharding, the shard group's size."""
         model = self.model(precision)
         policy = POLICIES[precision]
         stage_policy = make_stage(stage, policy).policy(world_size)
@@ -196,6 +198,7 @@ class Workload:
             units=tuple(u.name for u in partition.units),
             disk=planned_disk_bytes(stage_plan, state) if offload.on_disk else 0,
             disk_state=sum(dtype.itemsize for dtype in state.values()),
+            slots=len(partition.slots),
         )
 
     def _disk_state(self) -> dict[str, torch.dtype]:
@@ -263,6 +266,8 @@ def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> B
         unit=unit.name if unit is not None else None,
         host=host_bytes(plan),
         disk=disk,
+        wire=Wire(lay.padded_numel, lay.chunk_numel, plan.spec(Role.PARAMS).dtype, plan.spec(Role.STAGING).dtype
+                  if plan.trainable else d.reduce, plan.trainable, unit.name if unit is not None else None),
     )
 
 

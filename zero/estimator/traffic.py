@@ -1,0 +1,184 @@
+"""What one training step sends: rank 0's collectives under a ``ZeroConfig.communication`` policy, counted as
+``opt.comm_stats`` counts them (:mod:`zero.comm`).
+
+The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memory estimate prices,
+``zero.runtime.plan``) and, at stage 3, how often the replayed step gathers each unit
+(:mod:`zero.estimator.schedule`). Per step (one forward and backward, then ``step()``):
+
+* every trainable bucket's gradients: stage 0 all-reduces its staging buffer; stages 1-3 reduce-scatter it (the
+  padded bucket, ``P`` elements in the reduce dtype), or with quantized gradients (ZeRO++ qgZ) send one all-to-all
+  of ``group`` packets of ``packet_bytes(C, block_size)`` bytes (``zero.quantization``; ``C = P / group``);
+* stages 1-2: every trainable bucket's parameters all-gathered after the step (``P``, the parameters' dtype);
+  stage 3: every bucket of a unit, each time the unit is gathered (or ``group`` packets with quantized weights,
+  ZeRO++ qwZ);
+* the end of backward's agreement: one int32 all-reduce of a flag per trainable parameter, the step count twice
+  and, at stage 3, the gathers' fingerprint twice;
+* with hierarchical sharding (``shard_size``) all of the above inside the shard group (``group`` ranks), plus, across
+  the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype) and the agreement's flags
+  all-reduced again.
+
+Levels: ``"intra"`` is inside the shard group, which without hierarchical sharding is the whole world (so every
+collective of a flat run is ``"intra"``); ``"inter"`` is across the groups (``opt.comm_stats``' ``inter_<kind>``).
+``numel`` is the ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on
+the wire (quantized: the int8 blocks and their fp32 scales), as the communicator counts them. Not counted: what a
+user's ``clip_grad_norm_()`` adds (one all-reduce of a scalar), and with accumulation under ``no_sync()`` stage 3's
+gathers for the earlier micro-batches (each forward and backward gathers again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+from pydantic import ValidationError
+
+from zero.communication import Communication
+from zero.config import ZeroConfig
+from zero.precision import DTYPES
+from zero.quantization import packet_bytes
+
+LEVELS = ("intra", "inter")  # inside the shard group (the whole world without hierarchy), across groups
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+QUANTIZED = "int8"  # the wire dtype of a quantized collective: int8 blocks, each with one fp32 scale
+FLAGS = torch.int32  # the end of backward's agreement
+
+CommunicationArg = Union[Communication, Mapping[str, Any], None]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What one bucket sends, from its plan: sizes in elements and the dtypes of the buffers collectives move."""
+
+    padded: int  # P: the padded bucket
+    chunk: int  # C = P / group: one rank's chunk
+    params: torch.dtype  # the gathered parameters
+    reduce: torch.dtype  # the staging buffer that gradient collectives reduce
+    trainable: bool
+    unit: str | None  # stage 3: the unit that gathers it
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Rank 0's collectives of one kind, level and wire dtype in one step."""
+
+    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    level: str  # "intra" or "inter" (see the module docstring)
+    dtype: str  # on the wire: "fp32", "bf16", "int32", or "int8" (quantized: int8 blocks and their fp32 scales)
+    calls: int
+    numel: int  # payload elements
+    bytes: int  # bytes on the wire
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One training step's collectives (rank 0's), by kind, level and wire dtype."""
+
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def level_bytes(self, level: str) -> int:
+        return sum(c.bytes for c in self.collectives if c.level == level)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Calls, elements and bytes per kind, named as ``opt.comm_stats`` names them (``inter_<kind>`` across
+        groups), for comparing with a run."""
+        stats: dict[str, dict[str, int]] = {}
+        for c in self.collectives:
+            entry = stats.setdefault(c.kind if c.level == "intra" else f"inter_{c.kind}",
+                                     {"calls": 0, "numel": 0, "bytes": 0})
+            entry["calls"] += c.calls
+            entry["numel"] += c.numel
+            entry["bytes"] += c.bytes
+        return stats
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"collectives": [vars(c).copy() for c in self.collectives], "bytes": self.bytes,
+                **{f"{level}_bytes": self.level_bytes(level) for level in LEVELS}}
+
+
+def communication_policy(communication: CommunicationArg, world_size: int) -> tuple[Communication, int]:
+    """The policy (a :class:`zero.Communication`, a mapping, or ``None``: exact and flat) and the shard group's size
+    in a world of ``world_size`` ranks (``ValueError`` naming both when ``shard_size`` does not divide it). Of the
+    hierarchies, HSDP is priced (hpZ is refused)."""
+    policy = communication if isinstance(communication, Communication) else Communication.model_validate(
+        dict(communication or {}))
+    if policy.hierarchy != "hsdp":
+        raise ValueError(
+            "the estimator does not price ZeRO++'s hierarchical partitioning (communication.hierarchy='hpz') yet, "
+            "only HSDP's (hierarchy='hsdp'): estimate hpZ without shard_size (its shards are over every rank) and "
+            "add its secondary copy, 1/shard_size of the parameters per rank"
+        )
+    return policy, policy.group_size(world_size)
+
+
+def check_stage(policy: Communication, stage: int) -> None:
+    """Refuse a policy ``ZeroConfig`` does not run at ``stage``, with its own message (a ``ValueError``)."""
+    try:
+        ZeroConfig(stage=stage, communication=policy)
+    except ValidationError as err:
+        cause = (err.errors()[0].get("ctx") or {}).get("error")
+        if isinstance(cause, ValueError):
+            raise cause from None  # the rule's own message, without pydantic's framing
+        raise
+
+
+def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...]:
+    """The stages ``ZeroConfig`` runs ``policy`` at (qwZ: stage 3; qgZ and hierarchical sharding: stages 1-3)."""
+    def runs(stage: int) -> bool:
+        try:
+            check_stage(policy, stage)
+        except ValueError:
+            return False
+        return True
+
+    return tuple(stage for stage in stages if runs(stage))
+
+
+def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mapping[str, int],
+                 policy: Communication, group: int, world_size: int) -> Traffic:
+    """Rank 0's collectives in one step (see the module docstring): ``wires`` are the buckets, ``slots`` the
+    trainable parameters, ``gathers`` how many times stage 3 gathers each unit, ``group`` the shard group's size."""
+    counts: dict[tuple[str, str, str], list[int]] = {}
+    inside, across = group > 1, world_size > group  # (a group of one sends nothing inside it)
+    block = policy.block_size
+
+    def add(kind: str, level: str, dtype: Any, numel: int, nbytes: int, calls: int = 1) -> None:
+        if calls and ((level == "intra" and inside) or (level == "inter" and across)):
+            entry = counts.setdefault((kind, level, _name(dtype)), [0, 0, 0])
+            for i, value in enumerate((calls, numel, nbytes)):
+                entry[i] += value
+
+    for w in wires:
+        if w.trainable and stage == 0:
+            add("all_reduce", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
+        elif w.trainable:
+            if policy.quantized_gradients:
+                add("reduce_scatter", "intra", QUANTIZED, w.padded, group * packet_bytes(w.chunk, block))
+            else:
+                add("reduce_scatter", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
+            add("all_reduce", "inter", w.reduce, w.chunk, w.chunk * w.reduce.itemsize)  # the shard, across groups
+        if w.trainable and stage in (1, 2):  # after the step
+            add("all_gather", "intra", w.params, w.padded, w.padded * w.params.itemsize)
+        if stage == 3:
+            n = gathers.get(w.unit or "", 0)
+            if policy.quantized_weights:
+                add("all_gather", "intra", QUANTIZED, n * w.padded, n * group * packet_bytes(w.chunk, block), n)
+            else:
+                add("all_gather", "intra", w.params, n * w.padded, n * w.padded * w.params.itemsize, n)
+    flags = slots + 2 + (2 if stage == 3 else 0)  # used flags, the step count (v, -v), stage 3's fingerprint
+    for level in LEVELS:
+        add("all_reduce", level, FLAGS, flags, flags * FLAGS.itemsize)
+    order = {kind: i for i, kind in enumerate(KINDS)}
+    rows = sorted(counts.items(), key=lambda item: (LEVELS.index(item[0][1]), order[item[0][0]], item[0][2]))
+    return Traffic(tuple(Collective(kind, level, dtype, *entry) for (kind, level, dtype), entry in rows))
+
+
+def _name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    names = {v: k for k, v in DTYPES.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
