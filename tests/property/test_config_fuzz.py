@@ -242,4 +242,5 @@ def test_precision_is_refused_by_name_or_trains(policy, stage):
 def test_the_oracle_knows_every_field():
     """A new ZeroConfig field must be added to the oracle (and so to the fuzzing) above."""
     # nested: own tests
-    assert set(FIELDS) | {"precision", "offload", "activation_checkpointing"} == set(ZeroConfig.model_fields)
+    assert set(FIELDS) | {"precision", "offload", "communication", "activation_checkpointing"} == set(
+        ZeroConfig.model_fields)

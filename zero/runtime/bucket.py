@@ -300,6 +300,7 @@ class Bucket:
         roles = [
             ("parameters", *params, self.param_buffer),
             ("parameters", "parameters", shard, self.shard_buffer),
+            ("parameters", "parameters", "secondary copy (hpZ)", self.secondary_buffer),
             ("optimizer_state", "optimizer_state", "master weights" + host, self.master_buffer),
             ("gradients", "gradients", "buckets", self.grad_buffer),
             ("gradients", "communication", "reduce-scatter", staging),  # exists only for the collective
