@@ -70,8 +70,8 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.o
         raise ValueError(
             f"Accelerate sees {accelerator.num_processes} process(es) but the ZeroOptimizer's process group has "
             f"{opt.comm.data_parallel_size} ranks, so Accelerate would neither split the data nor keep to the main "
-            "process where it should. On CPU under torchrun, build Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1), so "
-            "that Accelerate joins the process group"
+            "process where it should. On CPU under torchrun, build Accelerator(cpu=True) (or set "
+            "ACCELERATE_USE_CPU=1), so that Accelerate joins the process group"
         )
     model.no_sync = WeakNoSync(opt)  # what accelerator.no_sync()/accumulate() call on a DDP model
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: save_checkpoint(
