@@ -20,6 +20,10 @@ all-to-all gradient reduction are the codecs this seam is for) and composes the 
 :class:`GroupTransport`, the only code that sends them. Their ``numel`` counts the payload above, their ``bytes``
 the bytes on the wire (the payload's own with the identity codec).
 
+Note: with hierarchical sharding (:mod:`zero.hierarchy`) the runtime's communicator is over one shard group and
+holds the communicator across the groups (``replicas``, HSDP) or counts a group's traffic as its own (hpZ's
+secondary gathers): ``levels``, reported by :meth:`Communicator.step_stats` as ``inter_<kind>`` / ``intra_<kind>``.
+
 Note: on gloo a reduce-scatter is an all-reduce of its input, and an all-gather one broadcast per rank.
 Gloo's own reduce-scatter sends what an all-reduce sends anyway, and the broadcasts send what its all-gather
 sends, but gloo's own two measured slower (torch 2.13, 2 ranks, in place, 25 MB: 1.6-2.1x and 1.4-1.5x the
