@@ -322,6 +322,12 @@ class Communicator:
         rows = gathered.cpu().view(self.world_size, longest)
         return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
 
+    def barrier(self, what: str = "barrier") -> None:
+        """Wait until every rank of the group is here (with this communicator's timeout). Before
+        ``destroy_process_group()``: a rank that tears its group down while a peer still completes its last
+        collective can make the peer's gloo abort the process at exit."""
+        self.all_gather_json(None, what=what)
+
     def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
         """Run ``fn`` on this rank, then hear every rank's outcome (one :meth:`all_gather_json`): an error on any
         rank is raised on all of them, with that rank's message, instead of leaving the others waiting in their
