@@ -7,7 +7,8 @@ world of 4 ranks laid out as 2 groups of 2 (two machines of two ranks), and the 
 * ``resume``: SGD at stage 3 with ``shard_size=2``: 3 steps, a portable checkpoint, 3 more steps; then a flat
   stage-2 run at 4 ranks loads the checkpoint and takes the same 3 steps;
 * ``quantized``: ``shard_size=2`` with qwZ and qgZ: per-step traffic, and that gathers outside training are exact.
-* ``traffic``: ``traffic_world.HIERARCHY_CASES``, a GPT's steady step's ``opt.comm_stats`` for the estimator.
+* ``traffic``: ``traffic_world.HIERARCHY_CASES``, a GPT's steady step's ``opt.comm_stats`` for the estimator;
+  ``traffic_hpz``: the same for ``traffic_world.HPZ_CASES`` (hpZ).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.traffic_world import traffic_checks
+from tests.distributed.traffic_world import hpz_traffic_checks, traffic_checks
 from tests.distributed.worlds import BUCKET_MB, CFG, build_model, make_optimizer, train
 from tests.readouts import flat_params
 from zero import ZeroOptimizer, load_checkpoint, save_checkpoint
@@ -129,4 +130,5 @@ def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
     return {"parity": parity(rank), "layout": layout(rank, HIERARCHY), "layout_hpz": layout(rank, HPZ),
             "flat_stats": layout(rank, {})["stats"],
             "resume": resume(rank, directory, HIERARCHY, (2, {})), "resume_hpz": resume(rank, directory, HPZ, (3, HPZ)),
-            "quantized": quantized(rank), "traffic": traffic_checks(rank, world_size)}
+            "quantized": quantized(rank), "traffic": traffic_checks(rank, world_size),
+            "traffic_hpz": hpz_traffic_checks(rank, world_size)}

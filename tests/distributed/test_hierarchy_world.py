@@ -7,7 +7,8 @@ Exact: stages 1-3 with ``shard_size=2`` train to the single-process reference's 
 every rank alike. The layout is the device mesh's (groups of consecutive ranks); each rank holds 1/shard_size of the
 model; parameters are never gathered across groups, and each reduce-scatter's shard is all-reduced across them. A
 checkpoint saved by the hierarchical run is a 2-rank world's, and a flat 4-rank stage-2 run resumes from it exactly.
-Quantized (lossy) on top: the gathers outside training (``gathered_parameters()``, ``close()``) stay exact.
+Quantized (lossy) on top: the gathers outside training (``gathered_parameters()``, ``close()``) stay exact. The
+estimator's traffic equals ``opt.comm_stats`` (HSDP and hpZ), and it plans hpZ's secondary copies as the runtime does.
 """
 
 from __future__ import annotations
@@ -16,9 +17,26 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_world
-from tests.distributed.hierarchy_world import HPZ_RUNS, SCENARIOS, SHARD_SIZE, STAGES, WORLD_SIZE, hierarchy_checks
-from tests.distributed.traffic_world import BUCKET_MB, CFG, HIERARCHY_CASES, estimated_stats, gpt_workload
+from tests.distributed.hierarchy_world import (
+    HPZ_RUNS,
+    SCENARIOS,
+    SHARD_SIZE,
+    STAGES,
+    WORLD_SIZE,
+    hierarchy_checks,
+)
+from tests.distributed.traffic_world import (
+    BUCKET_MB,
+    CFG,
+    HIERARCHY_CASES,
+    HPZ_CASES,
+    estimated_stats,
+    gpt_workload,
+)
+from tests.distributed.worlds import BUCKET_MB as LAYOUT_BUCKET_MB
+from tests.distributed.worlds import build_model
 from tests.readouts import max_diff
+from zero.estimator import Workload
 
 LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
@@ -79,6 +97,10 @@ def test_hpz_shards_over_every_rank_and_keeps_a_secondary_copy_over_the_group(hi
         assert layout["secondary_numel"] * SHARD_SIZE == layout["padded_numel"]  # the extra memory: 1/shard_size
         assert layout["secondary_group"] == list(range(first, first + SHARD_SIZE))
         assert result["layout"]["secondary_group"] is None  # (HSDP has none)
+    # the estimator plans the same copies (fp32): what it adds to the parameters' memory
+    work = Workload(build_model, lambda model: None, lambda micro: ())
+    planned = work.layout(3, WORLD_SIZE, bucket_size_mb=LAYOUT_BUCKET_MB, secondary_shards=SHARD_SIZE)
+    assert sum(b.secondary for b in planned.buckets) == 4 * hierarchy_world[0]["layout_hpz"]["secondary_numel"]
 
 
 def test_hpz_gathers_for_backward_inside_the_group(hierarchy_world):
@@ -138,3 +160,18 @@ def test_the_estimator_prices_each_levels_traffic_exactly(hierarchy_world, case)
         assert {"inter_all_reduce", "all_gather", "reduce_scatter"} <= set(expected)  # both levels priced
     for rank, result in enumerate(hierarchy_world):
         assert result["traffic"][case] == expected, (rank, HIERARCHY_CASES[case])
+
+
+@pytest.mark.parametrize("case", range(len(HPZ_CASES)), ids=lambda i: "-".join(
+    [HPZ_CASES[i][0], *(f"{k}={v}" for k, v in HPZ_CASES[i][1].items()), *(["checkpointed"] * HPZ_CASES[i][2])]))
+def test_the_estimator_prices_hpz_traffic_exactly(hierarchy_world, case):
+    """hpZ (``traffic_world.HPZ_CASES``): forward's gathers over every rank (plain ``all_gather``, quantized when
+    asked), backward's and recomputation's inside the group from the secondary copies (``intra_all_gather``, exact),
+    gradients and flags over every rank: the estimate equals ``opt.comm_stats`` of a steady step on every rank."""
+    precision, communication, checkpointing = HPZ_CASES[case]
+    expected = estimated_stats(gpt_workload(CFG), stage=3, world_size=WORLD_SIZE, precision=precision,
+                               bucket_size_mb=BUCKET_MB, communication=communication, checkpointing=checkpointing)
+    assert {"all_gather", "intra_all_gather", "reduce_scatter", "all_reduce"} == set(expected)
+    for rank, result in enumerate(hierarchy_world):
+        assert result["traffic_hpz"][case] == expected, (rank, HPZ_CASES[case])
+

@@ -4,7 +4,9 @@
   gradients (ZeRO++ qwZ, qgZ) and with the identity codec; it also runs ``MIXED_CASES`` here (the wire's dtype
   under both mixed-precision policies);
 * hierarchical sharding: folded into ``hierarchy_world`` (4 ranks), which runs :func:`traffic_checks`: the
-  ``HIERARCHY_CASES`` as 2 shard groups of 2 (and one flat quantized case with 4-packet all-to-alls).
+  ``HIERARCHY_CASES`` as 2 shard groups of 2 (and one flat quantized case with 4-packet all-to-alls), and
+  :func:`hpz_traffic_checks`: the ``HPZ_CASES`` (ZeRO++'s hpZ, groups of 2: forward's gathers over every rank,
+  backward's and recomputation's inside the group, as ``intra_all_gather``).
 
 A rank runs :func:`steady_step_stats`; the test builds the same model as a :class:`~zero.estimator.Workload`
 (:func:`gpt_workload`) and the estimate's calls, elements and bytes of each kind must equal the measured ones.
@@ -35,6 +37,11 @@ HIERARCHY_CASES = (  # in a world of 4 ranks
     (3, "mixed", {"shard_size": 2, **QUANTIZED}),
     (3, "fp32", QUANTIZED),  # flat: 4 packets per all-to-all and all-gather
 )
+HPZ = {"shard_size": 2, "hierarchy": "hpz"}
+HPZ_CASES = (  # stage 3 in a world of 4: (precision, communication, activation checkpointing)
+    ("fp32", HPZ, True),  # recomputation gathers from the secondary copies too
+    ("mixed", {**HPZ, **QUANTIZED}, False),  # int8 gathers over every rank, exact bf16 ones inside the group
+)
 WORLD_SIZE = 4
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
 GLOBAL_BATCH = 8
@@ -52,12 +59,15 @@ def gpt_loss(model: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def steady_step_stats(rank: int, world_size: int, cfg: GPTConfig, global_batch: int, bucket_mb: float,
-                      stage: int, precision: str, communication: dict) -> dict[str, dict[str, int]]:
-    """``opt.comm_stats`` of the last of ``STEPS`` AdamW steps of a GPT under this configuration."""
+                      stage: int, precision: str, communication: dict,
+                      checkpointing: bool = False) -> dict[str, dict[str, int]]:
+    """``opt.comm_stats`` of the last of ``STEPS`` AdamW steps of a GPT under this configuration (``checkpointing``:
+    every block's activations, ``activation_checkpointing={}``)."""
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage, bucket_size_mb=bucket_mb,
-                        precision=POLICIES[precision].model_dump(exclude_defaults=True), communication=communication)
+                        precision=POLICIES[precision].model_dump(exclude_defaults=True), communication=communication,
+                        activation_checkpointing={} if checkpointing else None)
     for step in range(STEPS):
         x, y = synthetic_batch(step, global_batch, cfg)
         gpt_loss(model, local_slice(x, rank, world_size), local_slice(y, rank, world_size)).backward()
@@ -71,6 +81,11 @@ def steady_step_stats(rank: int, world_size: int, cfg: GPTConfig, global_batch: 
 def traffic_checks(rank: int, world_size: int) -> list[dict[str, dict[str, int]]]:
     assert world_size == WORLD_SIZE
     return [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, *case) for case in HIERARCHY_CASES]
+
+
+def hpz_traffic_checks(rank: int, world_size: int) -> list[dict[str, dict[str, int]]]:
+    assert world_size == WORLD_SIZE
+    return [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, 3, *case) for case in HPZ_CASES]
 
 
 def gpt_workload(cfg: GPTConfig) -> Workload:

@@ -1,8 +1,9 @@
 """The estimator prices ``ZeroConfig.communication``: one step's traffic by kind, level and wire dtype (ZeRO++'s
 quantized weights and gradients at their packets' exact bytes, about 0.27x fp32's at blocks of 256), hierarchical
-sharding's memory that of a ``shard_size``-rank world with its shards all-reduced across the groups, the policy
-checked as ``ZeroConfig`` checks it, and ``zero estimate``'s flags and traffic table. (Against ``opt.comm_stats`` of
-real runs: ``tests/distributed/test_codec_world.py`` and ``test_hierarchy_world.py``.)"""
+sharding's memory that of a ``shard_size``-rank world with its shards all-reduced across the groups, ZeRO++'s hpZ
+as flat stage 3 plus its secondary copies (``P / shard_size`` per bucket) with backward's gathers inside the group,
+the policy checked as ``ZeroConfig`` checks it, and ``zero estimate``'s flags and traffic table. (Against
+``opt.comm_stats`` of real runs: ``tests/distributed/test_codec_world.py`` and ``test_hierarchy_world.py``.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from zero import Communication, ZeroOptimizer
 from zero.cli.main import main as cli_main
 from zero.estimator import Workload, estimate, plan
-from zero.estimator.traffic import Collective, step_traffic
+from zero.estimator.traffic import Collective, Traffic, step_traffic
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.quantization import packet_bytes
 
@@ -137,6 +138,82 @@ def test_a_shard_size_of_the_whole_world_is_flat():
         estimate(work, stage=3, world_size=4, micro_batch=1).traffic
 
 
+# ----- hierarchical partitioning (ZeRO++ hpZ) ----------------------------------------------------------------------
+
+HPZ = {"shard_size": 2, "hierarchy": "hpz"}
+
+
+@pytest.mark.parametrize("precision,itemsize", [("fp32", 4), ("mixed", 2)])
+def test_hpz_memory_is_flat_stage_3_plus_a_secondary_copy_of_each_bucket(precision, itemsize):
+    """Shards over every rank (as flat), and each bucket's secondary copy: ``P / shard_size`` elements of the
+    parameters' dtype, always on the device, under ``parameters`` (as the profiler files it)."""
+    work, world = _gpt(), 8
+    planned = work.layout(3, world, precision, secondary_shards=2)
+    for bucket in planned.buckets:
+        assert bucket.secondary == bucket.wire.padded // 2 * itemsize
+        assert bucket.wire.chunk * world == bucket.wire.padded  # (the primary shards: over every rank)
+    assert all(b.secondary == 0 for b in work.layout(3, world, precision).buckets)
+    copies = sum(b.secondary for b in planned.buckets)
+    for offload in ("none", "cpu"):
+        hpz = estimate(work, stage=3, world_size=world, micro_batch=2, precision=precision, offload=offload,
+                       communication=HPZ)
+        flat = estimate(work, stage=3, world_size=world, micro_batch=2, precision=precision, offload=offload)
+        assert hpz.categories == {**flat.categories, "parameters": flat.parameters + copies}
+        assert (hpz.phase, hpz.event, hpz.host) == (flat.phase, flat.event, flat.host)
+        assert (hpz.group_size, hpz.secondary_size, flat.secondary_size) == (world, 2, 0)
+
+
+def test_hpz_gathers_forward_over_every_rank_and_backward_inside_the_group():
+    work, world = _gpt(), 4
+    hpz = estimate(work, stage=3, world_size=world, micro_batch=2, communication=HPZ)
+    flat = estimate(work, stage=3, world_size=world, micro_batch=2)
+    assert {c.level for c in hpz.traffic.collectives} == {"intra", "hpz"} and hpz.traffic.level_bytes("inter") == 0
+    (primary,), (every,) = _kind(hpz, "all_gather"), _kind(flat, "all_gather")
+    (copies,) = _kind(hpz, "all_gather", "hpz")
+    assert copies.dtype == "fp32" and copies.bytes == 4 * copies.numel
+    assert (primary.calls + copies.calls, primary.numel + copies.numel) == (every.calls, every.numel)
+    # forward gathers each unit once; backward regathers blocks.0 only (the root and blocks.1, forward's last unit,
+    # are still gathered when backward starts)
+    planned = work.layout(3, world)
+    assert primary.numel == sum(b.wire.padded for b in planned.buckets)
+    assert copies.numel == sum(b.wire.padded for b in planned.buckets if b.unit == "blocks.0")
+    # gradients and the agreement's flags: over every rank, once, as flat
+    assert [c for c in hpz.traffic.collectives if c.kind != "all_gather"] == \
+        [c for c in flat.traffic.collectives if c.kind != "all_gather"]
+    assert set(hpz.traffic.comm_stats()) == {"all_gather", "reduce_scatter", "all_reduce", "intra_all_gather"}
+    assert hpz.traffic.as_dict()["hpz_bytes"] == copies.bytes
+    checkpointed = estimate(work, stage=3, world_size=world, micro_batch=2, communication=HPZ, checkpointing=True)
+    assert _kind(checkpointed, "all_gather", "hpz") == [copies]  # recomputation's gather is backward's
+
+
+def test_hpz_backward_gathers_are_exact_under_quantized_weights():
+    work, world = _gpt(), 4
+    quantized = estimate(work, stage=3, world_size=world, micro_batch=2, precision="mixed",
+                         communication={**HPZ, "quantized_weights": True})
+    plain = estimate(work, stage=3, world_size=world, micro_batch=2, precision="mixed", communication=HPZ)
+    (forward,), (backward,) = _kind(quantized, "all_gather"), _kind(quantized, "all_gather", "hpz")
+    assert forward.dtype == "int8" and backward == _kind(plain, "all_gather", "hpz")[0]
+    assert (backward.dtype, backward.bytes) == ("bf16", 2 * backward.numel)
+
+
+def test_hpz_over_the_whole_world_is_flat():
+    """A group of every rank keeps no copies (``zero.hierarchy`` runs it flat)."""
+    work = _gpt()
+    hpz = estimate(work, stage=3, world_size=4, micro_batch=1, communication={"shard_size": 4, "hierarchy": "hpz"})
+    flat = estimate(work, stage=3, world_size=4, micro_batch=1)
+    assert (hpz.traffic, hpz.categories, hpz.secondary_size) == (flat.traffic, flat.categories, 0)
+
+
+def test_comm_stats_names_each_level_as_opt_comm_stats_does():
+    traffic = Traffic(tuple(Collective("all_gather", level, "fp32", 1, 2, 8) for level in ("intra", "inter", "hpz")))
+    assert set(traffic.comm_stats()) == {"all_gather", "inter_all_gather", "intra_all_gather"}
+
+
+def test_the_planner_prices_hpz_at_stage_3_only():
+    fits = plan(_gpt(), gpu_memory=2**30, world_size=4, micro_batches=[1], communication=HPZ).fits
+    assert {e.stage for e in fits} == {3} and {e.secondary_size for e in fits} == {2}
+
+
 # ----- the policy, checked --------------------------------------------------------------------------------------
 
 
@@ -154,7 +231,8 @@ def test_a_shard_size_that_does_not_divide_the_world_is_refused_naming_both():
     (1, {"shard_size": 0}, r"shard_size must be at least 1"),
     (1, {"block_size": 8}, r"block_size"),
     (1, {"quantize": True}, r"quantize"),
-    (3, {"shard_size": 2, "hierarchy": "hpz"}, r"does not price ZeRO\+\+'s hierarchical partitioning"),
+    (2, {"shard_size": 2, "hierarchy": "hpz"}, r"hierarchy='hpz' needs stage 3 \(got stage 2\)"),
+    (3, {"hierarchy": "hpz"}, r"hierarchy='hpz' needs shard_size"),
 ])
 def test_a_policy_zero_config_refuses_is_refused_with_its_message(stage, communication, message):
     with pytest.raises(ValueError, match=message):
@@ -224,6 +302,23 @@ def test_cli_without_the_flags_prints_one_flat_level(capsys):
     assert code == 0 and " inter " not in table and "across them" not in table
     assert [line.split()[:3] for line in table.splitlines()[2:4]] == [["all_reduce", "intra", "fp32"],
                                                                       ["all_reduce", "intra", "int32"]]
+
+
+def test_cli_prices_hpz_with_its_own_level(capsys):
+    code, out, _ = _cli(capsys, "--world-size", "4", "--shard-size", "2", "--hierarchy", "hpz")
+    assert code == 0 and "4 ranks (hpZ: secondary copies over 2 groups of 2)" in out
+    assert "communication={'shard_size': 2, 'hierarchy': 'hpz'}" in out
+    table = out[out.index("traffic per step of the first (stage 3"):]
+    rows = [line.split()[:3] for line in table.splitlines()[2:6]]
+    assert rows == [["all_gather", "intra", "fp32"], ["reduce_scatter", "intra", "fp32"],
+                    ["all_reduce", "intra", "int32"], ["all_gather", "hpz", "fp32"]]
+    assert "over every rank, hpz" in table and "inside hpZ's groups of 2" in table
+
+
+def test_cli_refuses_hpz_without_a_shard_size_in_one_line(capsys):
+    code, _, err = _cli(capsys, "--world-size", "4", "--hierarchy", "hpz")
+    assert code == 2 and err.startswith("zero estimate: communication.hierarchy='hpz' needs shard_size")
+    assert err.count("\n") == 1
 
 
 def test_cli_refuses_a_shard_size_that_does_not_divide_the_world_in_one_line(capsys):

@@ -11,12 +11,11 @@ from typing import Any
 
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
-from zero.communication import Communication
 from zero.config import ZeroConfig
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, plan
 from zero.estimator.offloading import BUFFER_COUNTS, DISK_PATH, OffloadChoice
-from zero.estimator.traffic import Traffic
+from zero.estimator.traffic import Traffic, validated
 from zero.estimator.workload import POLICIES, Workload
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
@@ -77,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"stages 1-3, hierarchical sharding (HSDP): shard the model states over groups of this "
                         f"many consecutive ranks (e.g. one machine's GPUs) and replicate across groups; must divide "
                         f"--world-size, {whole_number_range(*WORLD_SIZES)} (default: one group of every rank)")
+    parser.add_argument("--hierarchy", choices=("hsdp", "hpz"), default="hsdp",
+                        help="with --shard-size: hsdp (the default) shards within each group and replicates across "
+                        "groups; hpz (ZeRO++'s hierarchical partitioning, stage 3) shards over every rank and keeps a "
+                        "secondary copy of 1/shard-size of the parameters per rank, from which backward gathers "
+                        "inside the group (communication.hierarchy)")
     parser.add_argument("--no-sync-accumulation", action="store_true",
                         help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
                         "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
@@ -106,9 +110,11 @@ def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
 
 
 def communication(args: argparse.Namespace) -> dict[str, Any]:
-    """``ZeroConfig(communication=...)``'s value for the options (only what differs from the defaults)."""
-    return Communication(quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
-                         block_size=args.block_size, shard_size=args.shard_size).model_dump(exclude_defaults=True)
+    """``ZeroConfig(communication=...)``'s value for the options (only what differs from the defaults; a rule they
+    break is a ``ValueError`` with the rule's message)."""
+    return validated(dict(quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
+                          block_size=args.block_size, shard_size=args.shard_size,
+                          hierarchy=args.hierarchy)).model_dump(exclude_defaults=True)
 
 
 def zero_config(e: Estimate) -> ZeroConfig:
@@ -135,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan_and_print(args: argparse.Namespace) -> int:
+    policy = communication(args)  # (refused before the model is traced)
     work, described = workload(args)
     print(f"tracing {described}: forward, loss and backward on fake tensors (no memory is allocated) ...",
           flush=True)
@@ -143,7 +150,6 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
-    policy = communication(args)
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
                   precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress,
                   host_memory=args.host_memory, buffer_count=args.buffer_count, communication=policy)
@@ -172,7 +178,7 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     if first is not None:
         print(f"\ntraffic per step of the {'first' if shown else 'smallest'} ({_label(first)}; rank 0's bytes on "
               "the wire, as opt.comm_stats counts them):")
-        _traffic_table(first.traffic, hierarchical=first.group_size < first.world_size)
+        _traffic_table(first)
     if args.json:
         data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],
                 "rejected": [{**e.as_dict(), "zero_config": zero_config_kwargs(e), "why": why}
@@ -195,7 +201,10 @@ def _ranks(args: argparse.Namespace) -> str:
     ranks = _count(args.world_size, "rank")
     if args.shard_size is None or args.shard_size == args.world_size:
         return ranks
-    return f"{ranks} ({_count(args.world_size // args.shard_size, 'shard group')} of {args.shard_size})"
+    groups = args.world_size // args.shard_size
+    if args.hierarchy == "hpz":
+        return f"{ranks} (hpZ: secondary copies over {_count(groups, 'group')} of {args.shard_size})"
+    return f"{ranks} ({_count(groups, 'shard group')} of {args.shard_size})"
 
 
 def _quantized(args: argparse.Namespace) -> str:
@@ -203,8 +212,9 @@ def _quantized(args: argparse.Namespace) -> str:
     return f", int8 {' and '.join(what)} (blocks of {args.block_size})" if what else ""
 
 
-def _traffic_table(traffic: Traffic, hierarchical: bool) -> None:
+def _traffic_table(e: Estimate) -> None:
     """One row per collective kind, level and dtype on the wire, then the total (per level with hierarchy)."""
+    traffic: Traffic = e.traffic
     if not traffic.collectives:
         print("  nothing: one rank (or one per group) sends no collective")
         return
@@ -212,8 +222,13 @@ def _traffic_table(traffic: Traffic, hierarchical: bool) -> None:
     for c in traffic.collectives:
         print(f"  {c.kind:<15} {c.level:<6} {c.dtype:<6} {c.calls:>6} {format_count(c.numel):>9} "
               f"{format_bytes(c.bytes):>10}")
-    levels = (f" (intra {format_bytes(traffic.level_bytes('intra'))} inside the shard groups, inter "
-              f"{format_bytes(traffic.level_bytes('inter'))} across them)") if hierarchical else ""
+    levels = ""
+    if e.secondary_size:
+        levels = (f" (intra {format_bytes(traffic.level_bytes('intra'))} over every rank, hpz "
+                  f"{format_bytes(traffic.level_bytes('hpz'))} inside hpZ's groups of {e.secondary_size})")
+    elif e.group_size < e.world_size:
+        levels = (f" (intra {format_bytes(traffic.level_bytes('intra'))} inside the shard groups, inter "
+                  f"{format_bytes(traffic.level_bytes('inter'))} across them)")
     print(f"  {'total':<15} {'':<6} {'':<6} {'':>6} {'':>9} {format_bytes(traffic.bytes):>10}{levels}")
 
 

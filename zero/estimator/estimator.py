@@ -42,6 +42,7 @@ from zero.estimator.traffic import (
     Traffic,
     check_stage,
     communication_policy,
+    secondary_size,
     stages_for,
     step_traffic,
 )
@@ -209,7 +210,8 @@ class Estimate:
     params_offload: str = "none"  # stage 3's parameter shards: "none" (the device), "cpu" or "disk"
     buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
     communication_config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig(communication=...) (no defaults)
-    group_size: int = 0  # ranks the model states are sharded over: world_size, or hierarchical sharding's shard_size
+    group_size: int = 0  # ranks the model states are sharded over: world_size, or HSDP's shard_size
+    secondary_size: int = 0  # hpZ: ranks of a group holding the secondary copies (shard_size), else 0
     traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
 
     @property
@@ -267,10 +269,12 @@ def estimate(
     Trainer's and Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces
     them (at stages 2-3 too).
     ``communication``: ``ZeroConfig(communication=...)``'s policy (a :class:`zero.Communication` or a mapping; default
-    exact and flat). With ``shard_size`` the model states are those of a ``shard_size``-rank world (each rank holds
-    ``1/shard_size``). The estimate's ``traffic`` is one step's collectives, what ``opt.comm_stats`` counts (by kind,
-    wire dtype and level: ``"intra"`` inside the shard group, the whole world without hierarchy, ``"inter"`` across
-    groups; :mod:`zero.estimator.traffic`).
+    exact and flat). With ``shard_size`` (HSDP) the model states are those of a ``shard_size``-rank world (each rank
+    holds ``1/shard_size``); with ``hierarchy="hpz"`` (stage 3) those of the whole world, plus each bucket's secondary
+    copy (``1/shard_size`` of it in the parameters' dtype, under ``parameters``). The estimate's ``traffic`` is one
+    step's collectives, what ``opt.comm_stats`` counts (by kind, wire dtype and level: ``"intra"`` among the ranks the
+    parameters are sharded over, the whole world without hierarchy and with hpZ, ``"inter"`` across HSDP's groups,
+    ``"hpz"`` inside hpZ's groups; :mod:`zero.estimator.traffic`).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
@@ -280,7 +284,8 @@ def estimate(
     choice = offload_choice(offload, params_offload, stage, buffer_count)
     policy, group = communication_policy(communication, world_size)
     check_stage(policy, stage)
-    layout = workload.layout(stage, group, precision, bucket_size_mb, choice)
+    secondary = secondary_size(policy, world_size)
+    layout = workload.layout(stage, group, precision, bucket_size_mb, choice, secondary_shards=max(1, secondary))
     peak = replay(
         workload.timeline(micro_batch, precision, checkpointing),
         layout,
@@ -292,9 +297,9 @@ def estimate(
         checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
         module=peak.module, event=peak.event, disk=peak.off.disk, optimizer_offload=choice.optimizer,
         params_offload=choice.params, buffer_count=choice.buffer_count,
-        communication_config=policy.model_dump(exclude_defaults=True), group_size=group,
+        communication_config=policy.model_dump(exclude_defaults=True), group_size=group, secondary_size=secondary,
         traffic=step_traffic(stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy, group,
-                             world_size),
+                             world_size, regathers=peak.regathers, secondary=secondary),
     )
 
 

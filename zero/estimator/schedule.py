@@ -9,7 +9,9 @@ the optimizer itself would build (``zero.runtime.partition.build_partition`` on 
   replayed as ``zero.runtime.gatherer`` does it (gather before a unit's forward and when backward reaches
   it, prefetch the next unit in the previous pass's order, release a unit when the next one starts,
   when its backward is over (its inputs' gradients computed and its parameters' gradients arrived)
-  and at the end of backward, keep the root until the step);
+  and at the end of backward, keep the root until the step), counting each unit's gathers and, of those, the ones
+  backward issues while the unit's copy is current (gathered since every unit was last released: hpZ's gathers
+  from its secondary copies, ``zero.runtime.secondary``);
 * gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
   is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
   at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
@@ -47,6 +49,7 @@ class BucketBytes:
     elements: int  # this rank's chunk in elements: what the wrapped optimizer steps
     pieces: tuple[int, ...]  # the parameters' pieces in that chunk (elements), as the optimizer sees them
     unit: str | None  # stage 3: the unit that gathers it
+    secondary: int = 0  # hpZ's secondary copy of it (P / shard_size in the parameters' dtype, on the device)
     host: int = 0  # its buffers the plan puts in host memory (offload to the CPU)
     disk: int = 0  # the offload file's bytes for it: its buffers there and its optimizer state (page-rounded)
     wire: Wire | None = None  # what its collectives move (zero.estimator.traffic)
@@ -97,6 +100,7 @@ class Peak:
     event: str
     off: OffBytes = OffBytes(0.0, 0.0)  # host memory and disk
     gathers: dict[str, int] = field(default_factory=dict)  # stage 3: how many times the step gathers each unit
+    regathers: dict[str, int] = field(default_factory=dict)  # ... of which in backward while its copy is current
 
     @property
     def total(self) -> float:
@@ -173,6 +177,9 @@ class _Gathering:
     pending: dict[str, int] = field(default_factory=dict)  # forward calls whose inputs' gradients are not computed
     in_backward: set[str] = field(default_factory=set)
     gathers: dict[str, int] = field(default_factory=dict)  # all-gathers issued, by unit (zero.estimator.traffic)
+    regathers: dict[str, int] = field(default_factory=dict)  # ... of which in backward, the unit's copy current
+    current: set[str] = field(default_factory=set)  # units gathered since every unit was last released
+    backward: bool = False  # the event being replayed runs inside autograd's backward
 
     @property
     def bytes(self) -> int:
@@ -186,6 +193,9 @@ class _Gathering:
     def _gather(self, units: set[str]) -> None:
         for unit in units - self.gathered:  # (a unit already gathered sends nothing)
             self.gathers[unit] = self.gathers.get(unit, 0) + 1
+            if self.backward and unit in self.current:
+                self.regathers[unit] = self.regathers.get(unit, 0) + 1
+            self.current.add(unit)  # (a gather from the copies leaves the copy current)
         self.gathered |= units
 
     def _use(self, unit: str) -> None:
@@ -205,6 +215,7 @@ class _Gathering:
 
     def event(self, point: Point) -> None:
         name = point.name
+        self.backward = point.phase == "backward"  # (the trace's phase is the runtime's test: a graph task runs)
         if point.kind == "enter" and name in self.unit_bytes and point.phase == "forward":
             self._release_finished(keep=name)
             self._use(name)
@@ -240,10 +251,12 @@ class _Gathering:
     def end_backward(self) -> None:
         self.gathered &= {""}
         self.prefetched &= {""}
+        self.current.clear()  # (every unit released, the root kept: ParamGatherer.reshard_all forgets the copies)
 
     def release_all(self) -> None:
         self.gathered.clear()
         self.prefetched.clear()
+        self.current.clear()
 
 
 def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options) -> Peak:
@@ -257,7 +270,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     shards_here = options.offload.params == "none"  # stage 3's shards on the device
     params_static = (sum(b.shard for b in layout.buckets) * shards_here if layout.stage == 3
                      else sum(b.whole for b in layout.buckets))
-    params_static += layout.frozen
+    params_static += layout.frozen + sum(b.secondary for b in layout.buckets)  # (hpZ's copies: always on the device)
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
     reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged else None
     gathering = _gathering(timeline, layout, options) if layout.stage == 3 else None
@@ -319,7 +332,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
     if gathering is not None:
-        best.gathers = dict(gathering.gathers)
+        best.gathers, best.regathers = dict(gathering.gathers), dict(gathering.regathers)
     return best
 
 

@@ -13,16 +13,33 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
   ZeRO++ qwZ);
 * the end of backward's agreement: one int32 all-reduce of a flag per trainable parameter, the step count twice
   and, at stage 3, the gathers' fingerprint twice;
-* with hierarchical sharding (``shard_size``) all of the above inside the shard group (``group`` ranks), plus, across
-  the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype) and the agreement's flags
-  all-reduced again.
+* with hierarchical sharding (``shard_size``, HSDP) all of the above inside the shard group (``group`` ranks), plus,
+  across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype) and the agreement's flags
+  all-reduced again;
+* with ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) all of the above over every rank (the shard
+  group is the whole world, as without hierarchy), except the gathers issued while autograd's backward runs
+  (backward and activation checkpointing's recomputation) of a unit whose secondary copy is current (gathered since
+  every unit was last released): those are all-gathers inside hpZ's group of ``shard_size`` ranks from the copies,
+  exact whatever the codec (``P`` elements in the parameters' dtype; ``zero.runtime.secondary``).
 
-Levels: ``"intra"`` is inside the shard group, which without hierarchical sharding is the whole world (so every
-collective of a flat run is ``"intra"``); ``"inter"`` is across the groups (``opt.comm_stats``' ``inter_<kind>``).
-``numel`` is the ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on
-the wire (quantized: the int8 blocks and their fp32 scales), as the communicator counts them. Not counted: what a
-user's ``clip_grad_norm_()`` adds (one all-reduce of a scalar), and with accumulation under ``no_sync()`` stage 3's
-gathers for the earlier micro-batches (each forward and backward gathers again).
+Levels, and the names ``opt.comm_stats`` gives their kinds (:meth:`Traffic.comm_stats`):
+
+=========  ====================================================================  =====================
+level      between which ranks                                                   ``opt.comm_stats``
+=========  ====================================================================  =====================
+``intra``  the ranks the parameters are sharded over: every rank when flat and   ``<kind>``
+           with hpZ, the shard group with HSDP (every collective of a flat run)
+``inter``  across HSDP's shard groups                                            ``inter_<kind>``
+``hpz``    inside hpZ's groups of ``shard_size`` ranks (backward's gathers from  ``intra_<kind>``
+           the secondary copies)
+=========  ====================================================================  =====================
+
+(``opt.comm_stats``' ``intra_`` is ``zero.hierarchy``'s name for hpZ's group communicator; here ``"intra"`` keeps
+its meaning of the group the parameters are sharded over, so hpZ's group is the level ``"hpz"``.) ``numel`` is the
+ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on the wire
+(quantized: the int8 blocks and their fp32 scales), as the communicator counts them; a group of one sends nothing.
+Not counted: what a user's ``clip_grad_norm_()`` adds (one all-reduce of a scalar), and with accumulation under
+``no_sync()`` stage 3's gathers for the earlier micro-batches (each forward and backward gathers again).
 """
 
 from __future__ import annotations
@@ -38,7 +55,8 @@ from zero.config import ZeroConfig
 from zero.precision import DTYPES
 from zero.quantization import packet_bytes
 
-LEVELS = ("intra", "inter")  # inside the shard group (the whole world without hierarchy), across groups
+LEVELS = ("intra", "inter", "hpz")  # see the module docstring
+PREFIXES = {"intra": "", "inter": "inter_", "hpz": "intra_"}  # opt.comm_stats' name of a level's <kind>
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 QUANTIZED = "int8"  # the wire dtype of a quantized collective: int8 blocks, each with one fp32 scale
 FLAGS = torch.int32  # the end of backward's agreement
@@ -63,7 +81,7 @@ class Collective:
     """Rank 0's collectives of one kind, level and wire dtype in one step."""
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
-    level: str  # "intra" or "inter" (see the module docstring)
+    level: str  # "intra", "inter" or "hpz" (see the module docstring)
     dtype: str  # on the wire: "fp32", "bf16", "int32", or "int8" (quantized: int8 blocks and their fp32 scales)
     calls: int
     numel: int  # payload elements
@@ -85,11 +103,10 @@ class Traffic:
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes per kind, named as ``opt.comm_stats`` names them (``inter_<kind>`` across
-        groups), for comparing with a run."""
+        HSDP's groups, ``intra_<kind>`` inside hpZ's), for comparing with a run."""
         stats: dict[str, dict[str, int]] = {}
         for c in self.collectives:
-            entry = stats.setdefault(c.kind if c.level == "intra" else f"inter_{c.kind}",
-                                     {"calls": 0, "numel": 0, "bytes": 0})
+            entry = stats.setdefault(f"{PREFIXES[c.level]}{c.kind}", {"calls": 0, "numel": 0, "bytes": 0})
             entry["calls"] += c.calls
             entry["numel"] += c.numel
             entry["bytes"] += c.bytes
@@ -100,19 +117,32 @@ class Traffic:
                 **{f"{level}_bytes": self.level_bytes(level) for level in LEVELS}}
 
 
+def validated(communication: CommunicationArg) -> Communication:
+    """The policy (a :class:`zero.Communication`, a mapping, or ``None``: exact and flat), checked as ``ZeroConfig``
+    checks it: a rule it breaks is refused with the rule's own message (a ``ValueError``)."""
+    if isinstance(communication, Communication):
+        return communication
+    try:
+        return Communication.model_validate(dict(communication or {}))
+    except ValidationError as err:
+        _raise_rule(err)
+        raise
+
+
 def communication_policy(communication: CommunicationArg, world_size: int) -> tuple[Communication, int]:
-    """The policy (a :class:`zero.Communication`, a mapping, or ``None``: exact and flat) and the shard group's size
-    in a world of ``world_size`` ranks (``ValueError`` naming both when ``shard_size`` does not divide it). Of the
-    hierarchies, HSDP is priced (hpZ is refused)."""
-    policy = communication if isinstance(communication, Communication) else Communication.model_validate(
-        dict(communication or {}))
-    if policy.hierarchy != "hsdp":
-        raise ValueError(
-            "the estimator does not price ZeRO++'s hierarchical partitioning (communication.hierarchy='hpz') yet, "
-            "only HSDP's (hierarchy='hsdp'): estimate hpZ without shard_size (its shards are over every rank) and "
-            "add its secondary copy, 1/shard_size of the parameters per rank"
-        )
-    return policy, policy.group_size(world_size)
+    """The policy (see :func:`validated`) and the size of the group the parameters are sharded over in a world of
+    ``world_size`` ranks (``ValueError`` naming both when ``shard_size`` does not divide it): HSDP's shard group, or
+    every rank (flat, and hpZ, whose groups hold only the secondary copies: :func:`secondary_size`)."""
+    policy = validated(communication)
+    group = policy.group_size(world_size)
+    return policy, world_size if policy.hierarchy == "hpz" else group
+
+
+def secondary_size(policy: Communication, world_size: int) -> int:
+    """hpZ: the ranks of a group holding the secondary copies (``shard_size``); 0 without copies (another hierarchy,
+    or hpZ's group is every rank, which ``zero.hierarchy`` runs flat)."""
+    size = policy.group_size(world_size)
+    return size if policy.hierarchy == "hpz" and size < world_size else 0
 
 
 def check_stage(policy: Communication, stage: int) -> None:
@@ -120,10 +150,16 @@ def check_stage(policy: Communication, stage: int) -> None:
     try:
         ZeroConfig(stage=stage, communication=policy)
     except ValidationError as err:
-        cause = (err.errors()[0].get("ctx") or {}).get("error")
-        if isinstance(cause, ValueError):
-            raise cause from None  # the rule's own message, without pydantic's framing
+        _raise_rule(err)
         raise
+
+
+def _raise_rule(err: ValidationError) -> None:
+    """Raise the ``ValueError`` of the model rule ``err`` reports (its own message, without pydantic's framing), if
+    it reports one."""
+    cause = (err.errors()[0].get("ctx") or {}).get("error")
+    if isinstance(cause, ValueError):
+        raise cause from None
 
 
 def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...]:
@@ -139,15 +175,20 @@ def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...
 
 
 def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mapping[str, int],
-                 policy: Communication, group: int, world_size: int) -> Traffic:
+                 policy: Communication, group: int, world_size: int, *, regathers: Mapping[str, int] | None = None,
+                 secondary: int = 0) -> Traffic:
     """Rank 0's collectives in one step (see the module docstring): ``wires`` are the buckets, ``slots`` the
-    trainable parameters, ``gathers`` how many times stage 3 gathers each unit, ``group`` the shard group's size."""
+    trainable parameters, ``gathers`` how many times stage 3 gathers each unit, ``group`` the size of the group the
+    parameters are sharded over; with hpZ's copies over groups of ``secondary`` ranks (:func:`secondary_size`),
+    ``regathers`` how many of each unit's gathers backward issues while its copy is current
+    (``zero.estimator.schedule.Peak.regathers``)."""
     counts: dict[tuple[str, str, str], list[int]] = {}
-    inside, across = group > 1, world_size > group  # (a group of one sends nothing inside it)
+    sends = {"intra": group > 1, "inter": world_size > group, "hpz": secondary > 1}  # (a group of one sends nothing)
     block = policy.block_size
+    from_copies = (regathers or {}) if secondary else {}
 
     def add(kind: str, level: str, dtype: Any, numel: int, nbytes: int, calls: int = 1) -> None:
-        if calls and ((level == "intra" and inside) or (level == "inter" and across)):
+        if calls and sends[level]:
             entry = counts.setdefault((kind, level, _name(dtype)), [0, 0, 0])
             for i, value in enumerate((calls, numel, nbytes)):
                 entry[i] += value
@@ -164,13 +205,15 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
         if w.trainable and stage in (1, 2):  # after the step
             add("all_gather", "intra", w.params, w.padded, w.padded * w.params.itemsize)
         if stage == 3:
-            n = gathers.get(w.unit or "", 0)
+            copies = from_copies.get(w.unit or "", 0)  # hpZ: exact, inside the group, from the secondary copies
+            add("all_gather", "hpz", w.params, copies * w.padded, copies * w.padded * w.params.itemsize, copies)
+            n = gathers.get(w.unit or "", 0) - copies
             if policy.quantized_weights:
                 add("all_gather", "intra", QUANTIZED, n * w.padded, n * group * packet_bytes(w.chunk, block), n)
             else:
                 add("all_gather", "intra", w.params, n * w.padded, n * w.padded * w.params.itemsize, n)
     flags = slots + 2 + (2 if stage == 3 else 0)  # used flags, the step count (v, -v), stage 3's fingerprint
-    for level in LEVELS:
+    for level in ("intra", "inter"):  # (over every rank with hpZ: once)
         add("all_reduce", level, FLAGS, flags, flags * FLAGS.itemsize)
     order = {kind: i for i, kind in enumerate(KINDS)}
     rows = sorted(counts.items(), key=lambda item: (LEVELS.index(item[0][1]), order[item[0][0]], item[0][2]))

@@ -164,13 +164,15 @@ class Workload:
     # ----- what ZeroOptimizer builds -----------------------------------------------------------------------
 
     def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25,
-               offload: OffloadChoice = OffloadChoice()) -> Layout:
+               offload: OffloadChoice = OffloadChoice(), secondary_shards: int = 1) -> Layout:
         """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
         ``offload``'s placements: which buffers are off the device, and where). ``world_size`` is the ranks the
-        model states are sharded over: with hierarchical sharding, the shard group's size."""
+        model states are sharded over: with HSDP, the shard group's size (with hpZ every rank's, and
+        ``secondary_shards`` the ranks of its groups: each bucket then has a secondary copy of ``1/secondary_shards``
+        of it)."""
         model = self.model(precision)
         policy = POLICIES[precision]
-        stage_policy = make_stage(stage, policy).policy(world_size)
+        stage_policy = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
         state = self._disk_state() if offload.on_disk else {}
         with self.mode:
             full = full_precision_parameters(model)
@@ -264,6 +266,7 @@ def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> B
         elements=lay.chunk_numel if plan.trainable else 0,
         pieces=tuple(piece.numel for piece in lay.pieces(0)) if plan.trainable else (),
         unit=unit.name if unit is not None else None,
+        secondary=plan.nbytes(Role.SECONDARY),
         host=host_bytes(plan),
         disk=disk,
         wire=Wire(lay.padded_numel, lay.chunk_numel, plan.spec(Role.PARAMS).dtype, plan.spec(Role.STAGING).dtype
