@@ -16,7 +16,8 @@
   gradients and parameter shards stay sharded over every rank (``1/world_size``), and each rank also keeps a
   *secondary* copy of the parameters sharded over its group (``1/shard_size`` of the model, refreshed by every
   forward all-gather), from which backward gathers inside the group: the forward gather crosses machines, backward's
-  never does. Exact.
+  never does. Exact. (Groups of one rank, or of every rank, are the flat layout: as DeepSpeed's
+  ``zero_hpz_partition_size=1``, off.)
 
 Quantization is lossy and off by default; its bounds are stated in :mod:`zero.quantization` and tested.
 """

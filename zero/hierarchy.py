@@ -45,7 +45,7 @@ def hierarchical(world: Communicator, policy: Communication) -> tuple[Communicat
     rank's shard group, with the one across the groups as its ``replicas``. hpZ: ``world``, which counts the
     group's traffic as its ``intra`` level, and the group's."""
     size = policy.group_size(world.world_size)
-    if size == world.world_size:
+    if size == world.world_size or (policy.hierarchy == "hpz" and size == 1):  # (hpZ over groups of one: off)
         return world, None
     if world.group is not dist.group.WORLD:
         raise ValueError(

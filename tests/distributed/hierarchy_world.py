@@ -128,7 +128,7 @@ def quantized(rank: int) -> dict:
 def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
     assert world_size == WORLD_SIZE
     return {"parity": parity(rank), "layout": layout(rank, HIERARCHY), "layout_hpz": layout(rank, HPZ),
-            "flat_stats": layout(rank, {})["stats"],
+            "flat_stats": layout(rank, {})["stats"], "layout_hpz1": layout(rank, {**HPZ, "shard_size": 1}),
             "resume": resume(rank, directory, HIERARCHY, (2, {})), "resume_hpz": resume(rank, directory, HPZ, (3, HPZ)),
             "quantized": quantized(rank), "traffic": traffic_checks(rank, world_size),
             "traffic_hpz": hpz_traffic_checks(rank, world_size)}

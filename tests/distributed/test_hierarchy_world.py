@@ -114,6 +114,16 @@ def test_hpz_gathers_for_backward_inside_the_group(hierarchy_world):
         assert hpz["reduce_scatter"] == {**flat["reduce_scatter"], "wait_s": hpz["reduce_scatter"]["wait_s"]}
 
 
+def test_hpz_over_groups_of_one_is_the_flat_layout(hierarchy_world):
+    """As DeepSpeed's zero_hpz_partition_size=1 (off): no secondary copy, every gather over every rank."""
+    for result in hierarchy_world:
+        layout = result["layout_hpz1"]
+        assert layout["secondary_group"] is None and layout["secondary_numel"] == 0
+        assert layout["group_size"] == WORLD_SIZE
+        assert {k: v["numel"] for k, v in layout["stats"].items()} == {
+            k: v["numel"] for k, v in result["flat_stats"].items()}
+
+
 def test_hpz_resumes_from_its_own_checkpoint(hierarchy_world):
     for result in hierarchy_world:
         assert max_diff(result["resume_hpz"]["straight"], result["resume_hpz"]["resumed"]) <= SGD_ATOL

@@ -325,3 +325,11 @@ def test_cli_refuses_a_shard_size_that_does_not_divide_the_world_in_one_line(cap
     code, out, err = _cli(capsys, "--world-size", "8", "--shard-size", "3")
     assert code == 2 and err.startswith("zero estimate: communication.shard_size=3 does not divide the world of 8 "
                                         "ranks") and err.count("\n") == 1
+
+
+def test_hpz_over_groups_of_one_is_the_flat_layout():
+    """As DeepSpeed's zero_hpz_partition_size=1 (off), and as zero.hierarchy runs it."""
+    hpz = estimate(_gpt(), stage=3, world_size=2, micro_batch=1, communication={"shard_size": 1, "hierarchy": "hpz"})
+    flat = estimate(_gpt(), stage=3, world_size=2, micro_batch=1)
+    assert hpz.secondary_size == 0 and hpz.peak == flat.peak
+    assert hpz.traffic.comm_stats() == flat.traffic.comm_stats()

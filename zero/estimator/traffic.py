@@ -140,9 +140,10 @@ def communication_policy(communication: CommunicationArg, world_size: int) -> tu
 
 def secondary_size(policy: Communication, world_size: int) -> int:
     """hpZ: the ranks of a group holding the secondary copies (``shard_size``); 0 without copies (another hierarchy,
-    or hpZ's group is every rank, which ``zero.hierarchy`` runs flat)."""
+    or hpZ's group is every rank or a single one, which ``zero.hierarchy`` runs flat, as DeepSpeed's
+    ``zero_hpz_partition_size=1`` is off)."""
     size = policy.group_size(world_size)
-    return size if policy.hierarchy == "hpz" and size < world_size else 0
+    return size if policy.hierarchy == "hpz" and 1 < size < world_size else 0
 
 
 def check_stage(policy: Communication, stage: int) -> None:
