@@ -106,6 +106,10 @@ class Transport(Protocol):
         aliasing it) comes from rank ``r``. Counts ``input``."""
         ...
 
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """Sum ``tensor`` over ranks, in place. Counts ``tensor``."""
+        ...
+
 
 class Codec:
     """How the all-gathers and reduce-scatters of a :class:`~zero.comm.Communicator` encode what they move (see
@@ -120,6 +124,11 @@ class Codec:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         raise NotImplementedError
 
+    def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
+        """Sum gradients over ranks in place, every rank ending with the same values (hierarchical sharding's
+        reduction of each shard across the groups)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -132,6 +141,9 @@ class IdentityCodec(Codec):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         return transport.reduce_scatter(output, input)
+
+    def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
+        return transport.all_reduce(tensor)
 
 
 class QuantizedWeights(IdentityCodec):
@@ -205,6 +217,39 @@ class QuantizedGradients(IdentityCodec):
 
         return Works([work], decode)
 
+    def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
+        """qgZ's reduction, then its result shared as int8 too: rank ``r`` sums chunk ``r`` as
+        :meth:`reduce_scatter` does, quantizes the sum, and every rank (``r`` included) decodes every chunk's
+        packet, so that every rank holds the same values. Bound: the reduce-scatter's, plus one quantization of the
+        sum (``quantization.error_bound`` of it)."""
+        world, rank, n = transport.world_size, transport.rank, tensor.numel()
+        chunk = -(-n // world)
+        size = quantization.packet_bytes(chunk, self.block)
+        padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+        padded[:n] = tensor
+        send = torch.empty(world, size, dtype=torch.uint8, device=tensor.device)
+        quantization.encode(padded.view(world, chunk), self.block, send)
+        own = padded.narrow(0, rank * chunk, chunk)
+        received = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
+        work = transport.all_to_all(received, send.view(-1))
+
+        def share_sum() -> Work:
+            values = quantization.decode(received.view(world, size), chunk, self.block)
+            total = torch.zeros(chunk, dtype=torch.float32, device=tensor.device)
+            for r in range(world):
+                total += own if r == rank else values[r]
+            mine = torch.empty(1, size, dtype=torch.uint8, device=tensor.device)
+            quantization.encode(total.view(1, chunk), self.block, mine)
+            gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
+
+            def decode() -> None:
+                sums = quantization.decode(gathered.view(world, size), chunk, self.block).reshape(-1)
+                tensor.copy_(sums[:n])
+
+            return Works([transport.all_gather(gathered, mine.view(-1))], decode)
+
+        return Works([work], share_sum)
+
 
 class PerCollective(Codec):
     """All-gathers through ``gather``, reduce-scatters through ``reduce`` (e.g. qwZ and qgZ together)."""
@@ -221,3 +266,6 @@ class PerCollective(Codec):
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         return self.reduce.reduce_scatter(output, input, transport)
+
+    def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
+        return self.reduce.all_reduce(tensor, transport)

@@ -146,6 +146,10 @@ class GroupTransport:
         self._sent(input)
         return dist.all_to_all_single(output, input, group=self._group, async_op=True)
 
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        self._sent(tensor)
+        return dist.all_reduce(tensor, group=self._group, async_op=True)
+
 
 class Communicator:
     """Collectives over one process group, or none at all (world size 1).
@@ -263,7 +267,16 @@ class Communicator:
             handle = self._handle(self.codec.reduce_scatter(output, input, GroupTransport(self, stats)), what, stats)
         if self.replicas is None:
             return handle
-        return Chain(handle, lambda: self.replicas.all_reduce(output, what=f"{what}: its shard across groups"))
+        return Chain(handle, lambda: self.replicas.reduce_gradients(output, what=f"{what}: its shard across groups"))
+
+    def reduce_gradients(self, tensor: torch.Tensor, *, what: str) -> Handle:
+        """Sum gradients over this group in place, through the codec (lossy with a quantizing one; every rank ends
+        with the same values). Counted as an ``all_reduce``: ``numel`` the tensor's, ``bytes`` the wire's."""
+        self._check(what, tensor)
+        if self.skips_collectives:
+            return self._handle(None, what)
+        stats = self.stats.record("all_reduce", tensor, sent=False)
+        return self._handle(self.codec.all_reduce(tensor, GroupTransport(self, stats)), what, stats)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, what: str = "all-gather", exact: bool = False

@@ -108,8 +108,10 @@ def comm_checks(rank: int, world_size: int) -> dict:
     lossy = Communicator(force_collectives=True, timeout_s=60, codec=double)
     quantized = Communicator(force_collectives=True, timeout_s=60,
                              codec=PerCollective(QuantizedWeights(BLOCK), QuantizedGradients(BLOCK)))
+    summed = inputs["reduce"].clone()
+    quantized.reduce_gradients(summed, what="all-reduce of gradients").wait()
     return {
-        "quantized": _run(quantized, inputs),
+        "quantized": {**_run(quantized, inputs), "all_reduce": summed},
         "quantized_stats": _stats(quantized),
         "default_codec": type(identity.codec).__name__,
         "identity": _run(identity, inputs),

@@ -173,6 +173,24 @@ def test_quantized_codecs_are_within_their_stated_bounds_and_keep_this_ranks_chu
         assert not torch.equal(results[0]["comm"]["quantized"]["gather"], gathered)
 
 
+def test_the_quantized_all_reduce_leaves_every_rank_the_same_values_within_its_bound(codec_world):
+    """HSDP's reduction across groups under qgZ: qgZ's reduce-scatter, then each chunk's sum shared as int8 and
+    decoded by every rank, its owner too."""
+    world_size, results = codec_world
+    inputs, _, summed = _exact(world_size)
+    first = results[0]["comm"]["quantized"]["all_reduce"]
+    assert all(torch.equal(r["comm"]["quantized"]["all_reduce"], first) for r in results)
+    for owner in range(world_size):
+        own = slice(owner * N, (owner + 1) * N)  # (chunks of the all-reduce: ceil(world_size * N / world_size) = N)
+        reduced = sum(quantization.error_bound(inputs[r]["reduce"][own], BLOCK) for r in range(world_size)
+                      if r != owner)
+        magnitude = torch.stack([i["reduce"][own].double().abs() for i in inputs]).sum(0)
+        reduced = reduced + world_size * FP32_REL * magnitude
+        bound = reduced + quantization.error_bound(summed[own].abs() + reduced, BLOCK)
+        error = (first[own].double() - summed[own]).abs()
+        assert (error <= bound).all(), (owner, float((error - bound).max()))
+
+
 def test_quantized_codecs_count_their_int8_packets_as_the_bytes_on_the_wire(codec_world):
     world_size, results = codec_world
     whole, packet = world_size * N, quantization.packet_bytes(N, BLOCK)  # 8 int8 values + 2 fp32 scales
@@ -180,6 +198,7 @@ def test_quantized_codecs_count_their_int8_packets_as_the_bytes_on_the_wire(code
         assert result["comm"]["quantized_stats"] == {
             "all_gather": {"calls": 3, "numel": 3 * whole, "bytes": 3 * world_size * packet},
             "reduce_scatter": {"calls": 2, "numel": 2 * whole, "bytes": 2 * world_size * packet},
+            "all_reduce": {"calls": 1, "numel": whole, "bytes": 2 * world_size * packet},  # all-to-all, all-gather
         }
 
 

@@ -148,7 +148,8 @@ def test_quantized_hierarchical_training_is_close_and_sends_int8(hierarchy_world
         stats = q["stats"]
         for kind in ("all_gather", "reduce_scatter"):  # int8 plus a scale per 64 elements, some block padding
             assert 0.25 < stats[kind]["bytes"] / (4 * stats[kind]["numel"]) < 0.35, (kind, stats[kind])
-        assert stats["inter_all_reduce"]["bytes"] == 4 * stats["inter_all_reduce"]["numel"]  # fp32 across groups
+        # across groups too: each shard's sum as int8 (an all-to-all, then an all-gather of the sums), and the flags
+        assert 0.5 < stats["inter_all_reduce"]["bytes"] / (4 * stats["inter_all_reduce"]["numel"]) < 0.65
 
 
 def test_gathers_outside_training_are_exact_under_quantized_weights(hierarchy_world):

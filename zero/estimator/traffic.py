@@ -14,8 +14,9 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
 * the end of backward's agreement: one int32 all-reduce of a flag per trainable parameter, the step count twice
   and, at stage 3, the gathers' fingerprint twice;
 * with hierarchical sharding (``shard_size``, HSDP) all of the above inside the shard group (``group`` ranks), plus,
-  across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype) and the agreement's flags
-  all-reduced again;
+  across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype; with quantized gradients an
+  all-to-all and an all-gather of ``replicas`` packets of ``ceil(C / replicas)`` elements each) and the agreement's
+  flags all-reduced again;
 * with ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) all of the above over every rank (the shard
   group is the whole world, as without hierarchy), except the gathers issued while autograd's backward runs
   (backward and activation checkpointing's recomputation) of a unit whose secondary copy is current (gathered since
@@ -202,7 +203,7 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
                 add("reduce_scatter", "intra", QUANTIZED, w.padded, group * packet_bytes(w.chunk, block))
             else:
                 add("reduce_scatter", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
-            add("all_reduce", "inter", w.reduce, w.chunk, w.chunk * w.reduce.itemsize)  # the shard, across groups
+            _shard_across(add, w, policy, world_size // group)
         if w.trainable and stage in (1, 2):  # after the step
             add("all_gather", "intra", w.params, w.padded, w.padded * w.params.itemsize)
         if stage == 3:
@@ -219,6 +220,17 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
     order = {kind: i for i, kind in enumerate(KINDS)}
     rows = sorted(counts.items(), key=lambda item: (LEVELS.index(item[0][1]), order[item[0][0]], item[0][2]))
     return Traffic(tuple(Collective(kind, level, dtype, *entry) for (kind, level, dtype), entry in rows))
+
+
+def _shard_across(add: Any, w: Wire, policy: Communication, replicas: int) -> None:
+    """HSDP: the bucket's reduced shard (``C``) all-reduced across the ``replicas`` groups; with quantized gradients
+    one all-to-all of ``replicas`` packets of ``ceil(C / replicas)`` elements, then an all-gather of as many
+    (``zero.codec.QuantizedGradients.all_reduce``)."""
+    if policy.quantized_gradients:
+        piece = -(-w.chunk // replicas)
+        add("all_reduce", "inter", QUANTIZED, w.chunk, 2 * replicas * packet_bytes(piece, policy.block_size))
+    else:
+        add("all_reduce", "inter", w.reduce, w.chunk, w.chunk * w.reduce.itemsize)
 
 
 def _name(dtype: Any) -> str:

@@ -69,7 +69,8 @@ def build_runtime(
         process_group, config.timeout_s, device=_model_device(model, device), force_collectives=config.force_collectives
     )
     comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
-    comm.codec = codec_of(config.communication)
+    for communicator in (comm, *comm.levels.values()):
+        communicator.codec = codec_of(config.communication)
     gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
     check_device_supports(config.precision, comm.device)
     stage = make_stage(config.stage, config.precision)
