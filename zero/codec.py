@@ -146,7 +146,27 @@ class IdentityCodec(Codec):
         return transport.all_reduce(tensor)
 
 
-class QuantizedWeights(IdentityCodec):
+class BlockQuantized(IdentityCodec):
+    """A codec over :mod:`zero.quantization`'s int8 blocks of ``block`` elements (what the identity does otherwise)."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block={self.block})"
+
+    def _summed(self, received: torch.Tensor, own: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """The fp32 sum, in rank order, of the ``world`` packets ``received`` (of chunks the size of ``own``), with
+        this rank's own chunk ``own`` (exact) in place of its packet."""
+        n = own.numel()
+        values = quantization.decode(received.view(world, -1), n, self.block)
+        total = torch.zeros(n, dtype=torch.float32, device=own.device)
+        for r in range(world):
+            total += own if r == rank else values[r]
+        return total
+
+
+class QuantizedWeights(BlockQuantized):
     """ZeRO++'s qwZ: all-gathers move block-quantized int8 (:mod:`zero.quantization`, a scale per ``block``
     elements), decoded into the output's dtype; reduce-scatters are the identity's.
 
@@ -156,12 +176,6 @@ class QuantizedWeights(IdentityCodec):
     dtype; this rank's own chunk is exact (the codec contract)."""
 
     exact_gather = False
-
-    def __init__(self, block: int):
-        self.block = block
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block})"
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         world, rank, n = transport.world_size, transport.rank, input.numel()
@@ -183,7 +197,7 @@ class QuantizedWeights(IdentityCodec):
         return Works([work], decode)
 
 
-class QuantizedGradients(IdentityCodec):
+class QuantizedGradients(BlockQuantized):
     """ZeRO++'s qgZ: a reduce-scatter is one all-to-all of block-quantized int8 chunks (chunk ``r`` of every rank
     goes to rank ``r``, :mod:`zero.quantization`), decoded and summed in fp32 on the receiver in rank order, with
     this rank's own chunk exact: each gradient is quantized once, not once per hop as a quantized ring all-reduce
@@ -192,12 +206,6 @@ class QuantizedGradients(IdentityCodec):
     Bound: each element of the result is within the sum, over the other ranks, of ``quantization.error_bound`` of
     their chunk (``max|x_r| / 254`` and a little, over the element's block), plus fp32 rounding of ``world_size``
     additions, then one rounding into the output's dtype."""
-
-    def __init__(self, block: int):
-        self.block = block
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block})"
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         world, rank, n = transport.world_size, transport.rank, output.numel()
@@ -209,11 +217,7 @@ class QuantizedGradients(IdentityCodec):
         work = transport.all_to_all(received, send.view(-1))
 
         def decode() -> None:
-            values = quantization.decode(received.view(world, size), n, self.block)
-            total = torch.zeros(n, dtype=torch.float32, device=output.device)
-            for r in range(world):
-                total += own if r == rank else values[r]
-            output.copy_(total)
+            output.copy_(self._summed(received, own, rank, world))
 
         return Works([work], decode)
 
@@ -234,12 +238,8 @@ class QuantizedGradients(IdentityCodec):
         work = transport.all_to_all(received, send.view(-1))
 
         def share_sum() -> Work:
-            values = quantization.decode(received.view(world, size), chunk, self.block)
-            total = torch.zeros(chunk, dtype=torch.float32, device=tensor.device)
-            for r in range(world):
-                total += own if r == rank else values[r]
             mine = torch.empty(1, size, dtype=torch.uint8, device=tensor.device)
-            quantization.encode(total.view(1, chunk), self.block, mine)
+            quantization.encode(self._summed(received, own, rank, world).view(1, chunk), self.block, mine)
             gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
 
             def decode() -> None:
