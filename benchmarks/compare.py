@@ -17,6 +17,18 @@ Every contender trains its own copy of the same GPT (same seed, same batches, Ad
   and with bf16 mixed precision (fp32 masters)
 * ``zero-3-keep``            stage 3 with ``reshard_after_forward=False``: units stay gathered from forward to
   backward (2Ψ traffic instead of 3Ψ, more memory)
+* ``zero-3-qwz``, ``zero-3-qgz``, ``zero-3-zpp``  stage 3 with ZeRO++'s quantized collectives
+  (``ZeroConfig.communication``, docs/communication.md): int8 parameter gathers (qwZ), int8 gradient reduction
+  through one all-to-all (qgZ), and both; blocks of 256 elements, ``1 + 4/256`` bytes per element on the wire.
+  Lossy, so held to the low-precision loss tolerance below
+* ``zero-3-hsdp``, ``zero-3-hpz``  stage 3 with hierarchical sharding over groups of ``g = N/2`` consecutive
+  ranks, as HSDP and as ZeRO++'s hpZ (``shard_size=g``; only at an even world size ``N >= 4``)
+* ``ds-3-zpp``               DeepSpeed's ZeRO++ at stage 3 (``zero_quantized_weights``,
+  ``zero_quantized_gradients``, and ``zero_hpz_partition_size = N/2`` at an even ``N >= 4``), when ``deepspeed``
+  is installed. It is built and takes one step on a throwaway copy first, and is skipped, with the error printed,
+  if that fails on any rank: on CPU it does (DeepSpeed 0.19.8: ``ValueError: This op had not been implemented
+  on CPU backend.``, raised in ``deepspeed.initialize`` when ``zero.Init`` loads ``QuantizerBuilder``, a CUDA
+  op, for the quantized weights; qgZ's all-to-all loads the same op)
 
 Measured, per contender:
 
@@ -30,17 +42,27 @@ Measured, per contender:
   built and measured one at a time for this, each twice in turn (the lower figure is kept: the first one
   measured in a process also carries one-time allocations);
 * **model state** = bytes in use after a step and ``zero_grad()`` over the same baseline, divided by the
-  ZeRO paper's formula for that stage and precision (``zero.zero_model_state_bytes``);
+  ZeRO paper's formula for that stage and precision (``zero.zero_model_state_bytes``; quantization changes
+  only the wire, so its contenders keep fp32's 4 bytes; HSDP shards over its group, so the formula's world is
+  ``g``; hpZ's is ``N`` plus its secondary copy of the parameters, ``4Ψ/g``);
 * **traffic**: bytes this rank wrote to its sockets per step (``/proc/self/io`` ``wchar``: gloo's sends),
-  divided by the bandwidth-optimal volume ``(N-1)/N Ψ`` times the bytes each stage moves per element
-  (2 fp32 collectives at stages 0-2, 3 at stage 3: the paper's 2Ψ and 3Ψ);
+  divided by the bandwidth-optimal volume: ``(n-1)/n Ψ`` per collective over ``n`` ranks, times its bytes per
+  element on the wire (2 fp32 collectives over the ``N`` ranks at stages 0-2, 3 at stage 3: the paper's 2Ψ and
+  3Ψ; quantized ones ``1 + 4/256``, DeepSpeed's int8 weights 1 and int4 gradients 0.5, scales not counted).
+  With ``R = N/g`` groups, HSDP reduce-scatters in the group and all-reduces each rank's shard (``Ψ/g``) across
+  the ``R`` groups, and gathers in the group: ``4Ψ (3 (g-1)/g + 2 (R-1)/(R g))``; hpZ reduce-scatters over
+  the world, gathers for forward over the world and for backward in the group, from the secondary copies:
+  ``4Ψ (2 (N-1)/N + (g-1)/g)``. On gloo ``zero``'s reduce-scatter is an all-reduce (``zero/comm.py``), which
+  sends twice the optimum (hence about 1.5 at stages 1-2); qgZ's all-to-all is not. Stage 3 keeps the root unit
+  and the last one forward ran gathered into backward, so it sends less than its 3Ψ;
 * **exposed communication** = (step time - the same step on PyTorch's fake process group, where every
   collective returns at once) / step time. The fake run is a separate process per rank, started by the
   rank after the real run, both ranks at once (the same contention for the cores).
 
 Before any time is reported the script checks that every contender's losses agree with DDP's at every
 step (fp32: 1e-3 relative, since Adam turns rounding differences into diverging updates over the run;
-bf16: 3e-2); the table shows each contender's largest gap. Results: a table of ratios to DDP, ``--json`` and ``--plot``.
+bf16 parameters or quantized collectives: 3e-2); the table shows each contender's largest gap. Results: a table
+of ratios to DDP, ``--json`` and ``--plot``.
 
 Below the table, the step-time targets, each PASS or FAIL: stages 1 and 2 <= 1.05x DDP and stage 1 no slower than
 ``ZeroRedundancyOptimizer``; stage 3 <= 1.15x DDP and no slower than FSDP2 (the same units, resharding after
@@ -72,8 +94,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -86,8 +110,10 @@ from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.models import GPT, local_slice, synthetic_batch
 
 LR, WD = 3e-4, 0.1
-LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; bf16 parameters)
+LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; lossy: bf16, quantized)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
+BLOCK_SIZE = 256  # elements per quantization block (Communication's default)
+QUANTIZED_WIRE_BYTES = 1 + 4 / BLOCK_SIZE  # int8 values and one fp32 scale per block (zero.quantization)
 TIME_LIMITS = {"zero-1": 1.05, "zero-2": 1.05, "zero-3": 1.15}  # step-time targets: largest ratio to DDP
 TIME_PEERS = (("zero-1", "zro"), ("zero-3", "fsdp2"))  # step-time targets: ours no slower than the peer
 DEVICE = (
@@ -106,7 +132,12 @@ class Spec:
     grad_bytes: int = 4  # gradients as reduced
     optimizer_bytes: int = 8  # m and v (+ a 4-byte master under mixed precision)
     gathers: int = 1  # parameter all-gathers per step (stage 3 resharding after forward: 2)
-    low_precision: bool = False
+    low_precision: bool = False  # lossy (bf16 parameters, quantized collectives): LOSS_RTOL_LOW
+    gather_wire_bytes: float | None = None  # bytes per element a parameter gather sends (None: param_bytes; qwZ)
+    reduce_wire_bytes: float | None = None  # bytes per element a gradient reduction sends (None: grad_bytes; qgZ)
+    shard_size: int | None = None  # hierarchical sharding: ranks per shard group (None: one group of every rank)
+    hierarchy: str = "hsdp"  # with shard_size: "hsdp" or "hpz" (zero.communication)
+    probe: bool = False  # may not run here (DeepSpeed's ZeRO++ on CPU): one step on a copy first, skipped if it fails
 
 
 @dataclass
@@ -177,7 +208,8 @@ def _fsdp2(reshard: bool) -> Callable[[GPT], Contender]:
     return build
 
 
-def _deepspeed(stage: int, offload: bool = False) -> Callable[[GPT], Contender]:
+def _deepspeed(stage: int, offload: bool = False, zpp: dict | None = None) -> Callable[[GPT], Contender]:
+    """DeepSpeed's engine at ``stage``; ``zpp``: ZeRO++'s flags (``zero_quantized_weights``, ...) added."""
     def build(base: GPT) -> Contender:
         import deepspeed
 
@@ -185,7 +217,7 @@ def _deepspeed(stage: int, offload: bool = False) -> Callable[[GPT], Contender]:
         bucket = int(BUCKET_MB * 2**20 / 4)  # fp32 elements in one of our buckets (DeepSpeed's default: 5e8)
         zero_opt = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                     "stage3_prefetch_bucket_size": bucket,
-                    **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+                    **({"offload_optimizer": {"device": "cpu"}} if offload else {}), **(zpp or {})}
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                   "zero_optimization": zero_opt, "zero_allow_untested_optimizer": True,
                   "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -205,17 +237,37 @@ def _zero(stage: int, **config) -> Callable[[GPT], Contender]:
     return build
 
 
-def specs() -> list[Spec]:
+def specs(world: int | None = None) -> list[Spec]:
+    """Every contender at this world size (default: the process group's; the hierarchical ones need an even world
+    of at least 4 ranks)."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
     out = [Spec("ddp", _ddp, 0), Spec("zro", _zro, 1),
            Spec("fsdp2", _fsdp2(True), 3, gathers=2), Spec("fsdp2-keep", _fsdp2(False), 3)]
     if importlib.util.find_spec("deepspeed") is not None:
         out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2),
                 Spec("ds-3", _deepspeed(3), 3, gathers=2), Spec("ds-offload", _deepspeed(2, offload=True), 2)]
+        zpp = {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+               **({"zero_hpz_partition_size": world // 2} if world >= 4 and world % 2 == 0 else {})}
+        out += [Spec("ds-3-zpp", _deepspeed(3, zpp=zpp), 3, gathers=2, low_precision=True, probe=True,
+                     gather_wire_bytes=1.0, reduce_wire_bytes=0.5,  # int8 weights, int4 gradients (scales not counted)
+                     **({"shard_size": world // 2, "hierarchy": "hpz"} if "zero_hpz_partition_size" in zpp else {}))]
     out += [Spec(f"zero-{s}", _zero(s), s, gathers=2 if s == 3 else 1) for s in range(4)]
     out += [Spec("zero-3-keep", _zero(3, reshard_after_forward=False), 3)]
     out += [Spec("zero-2-offload", _zero(2, offload={"optimizer": "cpu"}), 2),
             Spec("zero-2-bf16", _zero(2, precision={"param_dtype": "bf16"}), 2, param_bytes=2, grad_bytes=4,
                  optimizer_bytes=12, low_precision=True)]
+    wire = QUANTIZED_WIRE_BYTES
+    for suffix, policy, wire_bytes in (("qwz", {"quantized_weights": True}, {"gather_wire_bytes": wire}),
+                                       ("qgz", {"quantized_gradients": True}, {"reduce_wire_bytes": wire}),
+                                       ("zpp", {"quantized_weights": True, "quantized_gradients": True},
+                                        {"gather_wire_bytes": wire, "reduce_wire_bytes": wire})):
+        out.append(Spec(f"zero-3-{suffix}", _zero(3, communication={**policy, "block_size": BLOCK_SIZE}), 3,
+                        gathers=2, low_precision=True, **wire_bytes))
+    if world >= 4 and world % 2 == 0:
+        shard = world // 2
+        out += [Spec(f"zero-3-{h}", _zero(3, communication={"shard_size": shard, "hierarchy": h}), 3, gathers=2,
+                     shard_size=shard, hierarchy=h) for h in ("hsdp", "hpz")]
     return out
 
 
@@ -261,6 +313,45 @@ def parse_zero(name: str) -> tuple[int, dict[str, int]]:
     """``zero-3`` or ``zero-3/prefetch_units=0/...`` (ZeroConfig integer overrides): the stage and the overrides."""
     stage, *overrides = name.removeprefix("zero-").split("/")
     return int(stage), {k: int(v) for k, v in (o.split("=") for o in overrides)}
+
+
+def _reason(err: Exception) -> str:
+    """An error in a line: its type, its message's first line, and where it was raised and called from."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    frames = traceback.extract_tb(err.__traceback__)[-2:]
+    where = ["/".join(Path(f.filename).parts[-3:]) + f":{f.lineno} ({f.name}"
+             + (f": {f.line})" if f.line and i else ")") for i, f in enumerate(reversed(frames))]
+    return f"{type(err).__name__}: {first}" + (f"; raised in {where[0]}" if where else "") + \
+        (f", called from {where[1]}" if len(where) > 1 else "")
+
+
+def probed(chosen_specs: list[Spec], base: GPT, cfg, batch: int) -> tuple[list[Spec], dict[str, str]]:
+    """The contenders that run here, and why each other failed: one flagged ``probe`` is built and takes one
+    step on a throwaway copy first (every rank hears every rank's outcome), and is skipped if that failed on any."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kept, skipped = [], {}
+    for spec in chosen_specs:
+        if not spec.probe:
+            kept.append(spec)
+            continue
+        error = ""
+        try:
+            c = spec.build(base)
+            x, y = (local_slice(t, rank, world).to(DEVICE) for t in synthetic_batch(0, batch, cfg))
+            c.train_step(x, y)
+            del c
+        except Exception as err:  # noqa: BLE001 - the contender is skipped with the reason
+            error = _reason(err)
+        errors: list[str] = [""] * world
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            skipped[spec.name] = failed[0][1] if len({e for _, e in failed}) == 1 else "; ".join(
+                f"rank {r}: {e}" for r, e in failed)
+        else:
+            kept.append(spec)
+        gc.collect()
+    return kept, skipped
 
 
 def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, warmup: int, real: bool) -> None:
@@ -361,11 +452,35 @@ def fake_main(args: argparse.Namespace) -> None:
 
 
 def theory_sent(spec: Spec, numel: int, world: int) -> float:
-    """Bandwidth-optimal bytes one rank sends per step: reduce the gradients, gather the parameters."""
-    share = (world - 1) / world * numel
+    """Bandwidth-optimal bytes one rank sends per step: reduce the gradients, gather the parameters (in the
+    docstring's terms: ``(n-1)/n Ψ`` per collective over ``n`` ranks, times its wire bytes per element)."""
+    def share(n: int) -> float:
+        return (n - 1) / n * numel
+
+    gather = spec.param_bytes if spec.gather_wire_bytes is None else spec.gather_wire_bytes
+    reduce = spec.grad_bytes if spec.reduce_wire_bytes is None else spec.reduce_wire_bytes
     if spec.stage == 0:
-        return 2 * share * spec.grad_bytes  # all-reduce
-    return share * (spec.grad_bytes + spec.gathers * spec.param_bytes)
+        return 2 * share(world) * reduce  # all-reduce
+    if spec.shard_size is None:
+        return share(world) * (reduce + spec.gathers * gather)
+    g, r = spec.shard_size, world // spec.shard_size
+    if spec.hierarchy == "hpz":  # forward's gather over the world, backward's inside the group (exact: param_bytes)
+        return share(world) * (reduce + gather) + (spec.gathers - 1) * share(g) * spec.param_bytes
+    # HSDP: reduce-scatter and gathers inside the group; each rank's shard (Ψ/g) all-reduced across the r groups
+    # (through the gradients' codec: quantized with qgZ)
+    return share(g) * (reduce + spec.gathers * gather) + 2 * (r - 1) / r * numel / g * reduce
+
+
+def state_formula(spec: Spec, numel: int, world: int) -> float:
+    """The ZeRO paper's model-state bytes per rank for the contender: HSDP shards over its group of ``shard_size``
+    ranks; hpZ over every rank, plus the secondary copy of the parameters (``Ψ/shard_size``, as stored)."""
+    formula = zero_model_state_bytes(numel, world if spec.shard_size is None or spec.hierarchy == "hpz"
+                                     else spec.shard_size, spec.stage, param_bytes=spec.param_bytes,
+                                     grad_bytes=spec.grad_bytes if spec.stage else spec.param_bytes,
+                                     optimizer_bytes=spec.optimizer_bytes)
+    if spec.shard_size is not None and spec.hierarchy == "hpz":
+        formula += numel / spec.shard_size * spec.param_bytes
+    return formula
 
 
 def iqr(times: list[float]) -> float:
@@ -465,8 +580,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def chosen(args: argparse.Namespace) -> list[Spec]:
-    wanted = None if args.only is None else {"ddp", *args.only.split(",")}
-    return [s for s in specs() if wanted is None or s.name in wanted]
+    """The contenders ``--only`` names (every one without it), at this process group's world size."""
+    available = specs(dist.get_world_size())
+    if args.only is None:
+        return available
+    wanted = {"ddp", *args.only.split(",")}
+    missing = sorted(wanted - {s.name for s in available})
+    if missing and dist.get_rank() == 0 and args.fake_rank is None:
+        print(f"--only: no contender {', '.join(missing)} here (world size {dist.get_world_size()}; zero-3-hsdp and "
+              f"zero-3-hpz need an even world of at least 4 ranks, ds-* needs deepspeed); available: "
+              f"{', '.join(s.name for s in available)}", file=sys.stderr, flush=True)
+    return [s for s in available if s.name in wanted]
 
 
 def main() -> None:
@@ -483,7 +607,9 @@ def main() -> None:
     torch.manual_seed(0)
     base = GPT(cfg).to(DEVICE)
     numel = sum(p.numel() for p in base.parameters())
-    chosen_specs = chosen(args)
+    chosen_specs, skipped = probed(chosen(args), base, cfg, args.batch)
+    for name, reason in skipped.items():
+        log(f"{name}: skipped, it does not run here ({reason})", flush=True)
     log(f"world {world}, GPT {numel / 1e6:.2f}M params, global batch {args.batch}, {args.threads} thread(s)/rank; "
         f"contenders: {', '.join(s.name for s in chosen_specs)}", flush=True)
     contenders = {s.name: s.build(base) for s in chosen_specs}
@@ -511,9 +637,7 @@ def main() -> None:
     rows = []
     for spec in chosen_specs:
         r = results[spec.name]
-        formula = zero_model_state_bytes(numel, world, spec.stage, param_bytes=spec.param_bytes,
-                                         grad_bytes=spec.grad_bytes if spec.stage else spec.param_bytes,
-                                         optimizer_bytes=spec.optimizer_bytes)
+        formula = state_formula(spec, numel, world)
         rows.append({
             "name": spec.name, **r, "fake_ms": fake[spec.name],
             "time_x_ddp": r["median_ms"] / ddp["median_ms"], "peak_x_ddp": r["peak"] / ddp["peak"],
@@ -525,7 +649,7 @@ def main() -> None:
     log("\n" + table(rows) + "\n\n" + checks_table(checks))
     if rank == 0 and args.json:
         json.dump({"world": world, "params": numel, "config": vars(cfg), "run": run_record(args), "rows": rows,
-                   "checks": checks, "times_ms": times_ms}, open(args.json, "w"), indent=2)
+                   "skipped": skipped, "checks": checks, "times_ms": times_ms}, open(args.json, "w"), indent=2)
     if rank == 0 and args.plot:
         plot(rows, args.plot, f"GPT {numel / 1e6:.1f}M params, world size {world}: ratios to DDP")
     dist.destroy_process_group()
