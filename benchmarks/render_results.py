@@ -2,16 +2,18 @@
 
 compare.py's figures come from ``benchmarks/results/compare.json`` (written by ``compare.py --json``), its method from
 ``compare.py``'s docstring (read with ``ast``: nothing is imported, no torch); the offload-to-disk block's from
-``benchmarks/results/disk_offload.json`` (``disk_offload.py --json``). ``tests/unit/test_benchmark_docs.py`` checks
-that the committed page and the README blocks equal what this renders, so no figure goes stale silently.
+``benchmarks/results/disk_offload.json`` (``disk_offload.py --json``); the communication modes' block (README and the
+page's last section) from ``benchmarks/results/comm_modes.json`` (``comm_modes.py --json``).
+``tests/unit/test_benchmark_docs.py`` checks that the committed page and the README blocks equal what this renders, so
+no figure goes stale silently.
 
     python benchmarks/render_results.py            # print the page and the README block
     python benchmarks/render_results.py --write    # rewrite docs/benchmarks.md and the README block
     python benchmarks/render_results.py --check    # exit 1 if either is out of date
 
-The README blocks lie between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``, and between
-``<!-- disk-offload:start -->`` and ``<!-- disk-offload:end -->``; nothing else in README.md is touched, and without
-its markers a block is only printed.
+The README blocks lie between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``, between
+``<!-- disk-offload:start -->`` and ``<!-- disk-offload:end -->``, and between ``<!-- comm-modes:start -->`` and
+``<!-- comm-modes:end -->``; nothing else in README.md is touched, and without its markers a block is only printed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import ast
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +33,10 @@ README = ROOT / "README.md"
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 DISK_JSON = ROOT / "benchmarks" / "results" / "disk_offload.json"
 DISK_MARKERS = ("<!-- disk-offload:start -->", "<!-- disk-offload:end -->")
+COMM_JSON = ROOT / "benchmarks" / "results" / "comm_modes.json"
+COMM_MARKERS = ("<!-- comm-modes:start -->", "<!-- comm-modes:end -->")
+COMM_REFRESH = ("python benchmarks/comm_modes.py --compare --json benchmarks/results/comm_modes.json "
+                "--plot benchmarks/results/comm_modes_loss.png && python benchmarks/render_results.py --write")
 HEADLINE = ("ddp", "zro", "fsdp2", "zero-1", "zero-2", "zero-3", "zero-2-bf16")
 REFRESH = ("torchrun --standalone --nproc-per-node 2 benchmarks/compare.py --json benchmarks/results/compare.json"
            " && python benchmarks/render_results.py --write")
@@ -133,11 +140,14 @@ def run_lines(data: dict) -> list[str]:
     return lines
 
 
-def page(data: dict, compare: Path = COMPARE) -> str:
+def page(data: dict, compare: Path = COMPARE, comm: Path = COMM_JSON) -> str:
+    comm_data = load(comm) if Path(comm).exists() else None
     return "\n".join([
         GENERATED, "",
         "# Benchmarks", "",
-        f"{summary(compare)} Every figure below comes from `benchmarks/results/compare.json`, written by "
+        f"{summary(compare)} Every figure below"
+        + (" (but [the last section's](#quantized-and-hierarchical-communication))" if comm_data else "")
+        + " comes from `benchmarks/results/compare.json`, written by "
         "`benchmarks/compare.py --json`; the method is stated once, in compare.py's docstring, and rendered here.", "",
         "## The run", "",
         *run_lines(data), "",
@@ -154,6 +164,7 @@ def page(data: dict, compare: Path = COMPARE) -> str:
         "With DeepSpeed installed on a CPU-only machine, prefix `DS_ACCELERATOR=cpu`. "
         "`python benchmarks/render_results.py --check` (and `tests/unit/test_benchmark_docs.py`) fails while this "
         "page or the README's table differs from what the JSON renders.", "",
+        *(comm_section(comm_data) if comm_data else []),
     ])
 
 
@@ -223,6 +234,148 @@ def disk_block(data: dict) -> str:
     ])
 
 
+def _within(value: float, limit: float, spec: str, limit_spec: str = "g") -> str:
+    """``value (<= limit: PASS)``, or FAIL, on the value's magnitude."""
+    return f"{value:{spec}} (<= {limit:{limit_spec}}: {'PASS' if abs(value) <= limit else 'FAIL'})"
+
+
+def _comm_cells(name: str, r: dict, data: dict, verdicts: bool = True) -> dict[str, str]:
+    """One mode's figures as table cells; ``verdicts``: each figure with a target carries its PASS or FAIL."""
+    targets, shard = data["targets"], data["spec"]["shard_size"]
+    policy = name.split(" ")[0].split("+")
+
+    def judged(value: float, limit: float, spec: str, limit_spec: str = "g") -> str:
+        return _within(value, limit, spec, limit_spec) if verdicts else f"{value:{spec}}"
+
+    vs = (judged(r["loss_rel_vs_plain"], targets["loss_rel"][name], "+.2%", ".0%") if name in targets["loss_rel"]
+          else "—" if name == "plain" else f"{r['loss_rel_vs_plain']:+.2%}")
+    gather, reduce, limit = r["all_gather_x_fp32"], r["reduce_scatter_x_fp32"], targets["quantized_bytes_x_fp32"]
+    return {
+        "vs": vs,
+        "gather": judged(gather, limit, ".3f") if "qwZ" in policy else f"{gather:.3f}",
+        "reduce": judged(reduce, limit, ".3f") if "qgZ" in policy else f"{reduce:.3f}",
+        "across": (f"{judged(r['inter_param_x_flat'], 1 / shard, '.3f')}, {r['inter_grad_x_flat']:.3f}"
+                   if "inter_param_x_flat" in r else "—"),
+        "step": f"{r['step_x_plain']:.2f} ({r['step_x_plain_iqr']:.2f})",
+        "exposed": f"{r['exposed']:.1%}",
+    }
+
+
+def _comm_run(data: dict) -> str:
+    """The run in a sentence: world, layout, model, training."""
+    spec, cfg = data["spec"], data["config"]
+    shard = spec["shard_size"]
+    return (f"Stage 3, {spec['world']} gloo ranks read as {spec['world'] // shard} machines of {shard} "
+            f"(`shard_size={shard}` in the hierarchical modes), `block_size` {spec['block_size']}; a character-level "
+            f"GPT of {data['params'] / 1e6:.2f}M parameters (d_model {cfg['d_model']}, {cfg['num_layers']} "
+            f"layer{'s' if cfg['num_layers'] > 1 else ''}, vocabulary {cfg['vocab_size']}: the bytes of README.md and "
+            f"docs/*.md) trained {spec['steps']} steps (AdamW with betas 0.9 and {spec['beta2']:g}, peak learning rate "
+            f"{spec['lr']:g}, warm-up, cosine, "
+            f"clipping at {spec['clip']:g}, global batch {spec['batch']} x {cfg['seq_len']}), every mode on the "
+            "same batches, interleaved step by step")
+
+
+def _comm_exact(data: dict) -> str:
+    rows, targets = data["modes"], data["targets"]
+    exact = [f"`hierarchical` against `plain`, the largest per-step relative loss difference: "
+             f"{_within(rows['hierarchical']['max_step_rel_vs_plain'], targets['exact_step_rel'], '.1e')}"
+             ] if "hierarchical" in rows else []
+    control = next((r for name, r in rows.items() if name.startswith("plain ")), None)
+    if control is not None:
+        exact.append(f"the control (each rank trains on the next rank's share: only the order of the sums differs): "
+                     f"{control['max_step_rel_vs_plain']:.1e}")
+    return "; ".join(exact)
+
+
+def _passed(data: dict) -> str:
+    failed = [c["check"] for c in data["checks"] if not c["passed"]]
+    return (f"{len(data['checks']) - len(failed)} of {len(data['checks'])} targets PASS"
+            + (f"; FAIL: {'; '.join(failed)}" if failed else ""))
+
+
+def comm_block(data: dict) -> str:
+    """docs/benchmarks.md's block of comm_modes.py: per mode, the final loss against ``plain``'s, bytes on the wire
+    over fp32's and across the machines over the flat layout's, step time over ``plain``'s and exposed communication."""
+    rows, spec = data["modes"], data["spec"]
+    out = ["| mode | final loss | vs `plain` | held-out loss | all-gather bytes / fp32 | reduce-scatter bytes / fp32 "
+           "| across machines / flat: parameters, gradients | step × `plain` (IQR) | exposed comm. |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for name, r in rows.items():
+        c = _comm_cells(name, r, data)
+        out.append(f"| `{name}` | {r['final_loss']:.3f} | {c['vs']} | {r['eval_loss']:.3f} | {c['gather']} "
+                   f"| {c['reduce']} | {c['across']} | {c['step']} | {c['exposed']} |")
+    compare = data.get("compare") or {"skipped": "not run"}
+    n2 = (f"At 2 ranks, flat, compare.py's {compare['params'] / 1e6:.2f}M GPT: stage 3 step / DDP "
+          f"{compare['zero3_x_ddp']:.2f}, exposed communication {compare['zero3_exposed']:.1%} (DDP "
+          f"{compare['ddp_exposed']:.1%})." if "skipped" not in compare
+          else f"compare.py at 2 ranks: not measured in this run ({compare['skipped']}).")
+    return "\n".join([
+        "",
+        "<!-- Generated by benchmarks/render_results.py from benchmarks/results/comm_modes.json. -->",
+        _comm_run(data) + ":",
+        "",
+        *out,
+        "",
+        f"Final loss: the mean of the training loss of the last {data['final_steps']} steps (the first step's: "
+        f"{data['first_loss']['plain']:.2f}); held-out loss: after the last step, on {data['eval_windows']} windows "
+        f"of the corpus's last tenth, never trained on. {_comm_exact(data)}. *Across machines*: bytes that cross the "
+        "groups per step over those of the same mode without hierarchy, where every collective crosses. *Exposed "
+        "comm.*: time "
+        f"waited in collectives / step time ({spec['world']} ranks share {data['run']['cpu_count']} cores here: a "
+        f"wait includes a peer not scheduled). {n2} {_passed(data)}.",
+        "",
+    ])
+
+
+def comm_readme_block(data: dict) -> str:
+    """The README's block of comm_modes.py, a few lines: each mode against ``plain`` (the full table is on
+    docs/benchmarks.md)."""
+    modes = [name for name in data["modes"] if name != "plain" and not name.startswith("plain ")]
+    cells = {name: _comm_cells(name, data["modes"][name], data, verdicts=False) for name in modes}
+    targets = data["targets"]["loss_rel"]
+
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(name) for name in modes) + " |"
+
+    spec = data["spec"]
+    shard = spec["shard_size"]
+    intro = (f"Stage 3, {spec['world']} gloo ranks as {spec['world'] // shard} machines of {shard}, a character-level "
+             f"GPT of {data['params'] / 1e6:.2f}M parameters trained {spec['steps']} steps on this repository's docs "
+             "(`benchmarks/comm_modes.py`; the full table, the loss curves and the method: "
+             f"[benchmarks](docs/benchmarks.md#quantized-and-hierarchical-communication)); {_passed(data)}:")
+    return "\n".join([
+        "",
+        "<!-- Generated by benchmarks/render_results.py from benchmarks/results/comm_modes.json. -->",
+        textwrap.fill(intro, width=118, break_long_words=False, break_on_hyphens=False),
+        "",
+        "| against `plain` (flat, exact) | " + " | ".join(f"`{name}`" for name in modes) + " |",
+        "|---|" + "--:|" * len(modes),
+        row("final loss (target)", lambda n: f"{cells[n]['vs']} (±{targets[n]:.0%})" if n in targets
+            else cells[n]["vs"]),
+        row("bytes / fp32's: gathers, reductions", lambda n: f"{cells[n]['gather']}, {cells[n]['reduce']}"),
+        row("across machines / flat: parameters, gradients", lambda n: cells[n]["across"]),
+        row("step time (IQR)", lambda n: cells[n]["step"]),
+        "",
+    ])
+
+
+def comm_section(data: dict) -> list[str]:
+    """docs/benchmarks.md's last section: the communication modes' block, the loss curves, how to regenerate."""
+    run = data["run"]
+    return [
+        "## Quantized and hierarchical communication", "",
+        "ZeRO++'s quantized weights (qwZ) and gradients (qgZ) and hierarchical sharding "
+        "(`ZeroOptimizer(..., communication={...})`). These figures come from `benchmarks/results/comm_modes.json`, "
+        "written by `benchmarks/comm_modes.py --json`, whose docstring states the method; machine: "
+        f"{run['device']}, {run['cpu_count']} CPU cores, torch {run['torch']}, Python {run['python']}"
+        + (f"; the library at commit {run['commit'][:10]}" if run.get("commit") else "")
+        + (" with local changes to zero/" if run.get("zero_modified") else "") + ".", "",
+        COMM_MARKERS[0] + comm_block(data) + COMM_MARKERS[1], "",
+        "![Every mode's loss curve, and its difference to plain's](../benchmarks/results/comm_modes_loss.png)", "",
+        "```sh", COMM_REFRESH, "```", "",
+    ]
+
+
 def splice(readme: str, block: str, markers: tuple[str, str] = (START, END)) -> str | None:
     """README with the block between ``markers`` replaced, or None without (exactly one pair of) them."""
     start, end = markers
@@ -246,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     data = load(args.json)
     new_page, block, disk = page(data), readme_block(data), disk_block(load(DISK_JSON))
+    comm = comm_readme_block(load(COMM_JSON)) if COMM_JSON.exists() else None
     readme = README.read_text() if README.exists() else ""  # no README: no block to write or check
     new_readme = splice(readme, block)
     with_disk = splice(new_readme if new_readme is not None else readme, disk, DISK_MARKERS)
     new_readme = with_disk if with_disk is not None else new_readme
+    with_comm = None if comm is None else splice(new_readme if new_readme is not None else readme, comm, COMM_MARKERS)
+    new_readme = with_comm if with_comm is not None else new_readme
     if args.check:
         stale = [_shown(PAGE)] if not PAGE.exists() or PAGE.read_text() != new_page else []
         if new_readme is not None and new_readme != readme:
@@ -270,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     print(new_page)
     print(f"----- README block (between {START} and {END}) -----{block}")
     print(f"----- README block (between {' and '.join(DISK_MARKERS)}) -----{disk}")
+    if comm is not None:
+        print(f"----- README block (between {' and '.join(COMM_MARKERS)}) -----{comm}")
     return 0
 
 

@@ -77,3 +77,18 @@ def test_readme_disk_offload_block_matches_the_json():
     spliced = render.splice(readme, render.disk_block(render.load(render.DISK_JSON)), render.DISK_MARKERS)
     assert spliced is not None, f"README.md needs exactly one {' ... '.join(render.DISK_MARKERS)} pair"
     assert spliced == readme, f"README.md's disk-offload block is out of date; {FIX}"
+
+
+def test_readme_comm_modes_block_matches_the_json():
+    """The communication modes' figures in the README (and docs/benchmarks.md's last section, checked with the page)
+    are what benchmarks/comm_modes.py wrote."""
+    assert render.COMM_JSON.exists(), "benchmarks/results/comm_modes.json is missing (benchmarks/comm_modes.py --json)"
+    data = render.load(render.COMM_JSON)
+    readme = render.README.read_text()
+    spliced = render.splice(readme, render.comm_readme_block(data), render.COMM_MARKERS)
+    assert spliced is not None, f"README.md needs exactly one {' ... '.join(render.COMM_MARKERS)} pair"
+    assert spliced == readme, f"README.md's comm-modes block is out of date; {FIX}"
+    page = render.page(render.load(render.JSON))
+    assert render.COMM_MARKERS[0] + render.comm_block(data) + render.COMM_MARKERS[1] in page
+    for mode in data["modes"]:
+        assert f"| `{mode}` |" in page
