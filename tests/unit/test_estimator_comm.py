@@ -287,13 +287,13 @@ def test_cli_prints_the_traffic_table_under_the_memory_figures(capsys, tmp_path)
     end = next(i for i, line in enumerate(lines) if line.split()[:1] == ["total"])
     rows = [line.split()[:3] for line in lines[2:end]]
     assert rows == [["all_gather", "intra", "int8"], ["reduce_scatter", "intra", "int8"],
-                    ["all_reduce", "intra", "int32"], ["all_reduce", "inter", "fp32"],
-                    ["all_reduce", "inter", "int32"]]
+                    ["all_reduce", "intra", "int32"], ["all_reduce", "inter", "int32"],
+                    ["all_reduce", "inter", "int8"]]  # (the shards across groups quantized too)
     assert "inside the shard groups" in table and "across them" in table
     first = json.loads(path.read_text())["fits"][0]
     assert first["zero_config"]["communication"]["shard_size"] == 2 and first["group_size"] == 2
     assert first["traffic"]["bytes"] == first["traffic"]["intra_bytes"] + first["traffic"]["inter_bytes"]
-    assert {c["dtype"] for c in first["traffic"]["collectives"]} == {"int8", "int32", "fp32"}
+    assert {c["dtype"] for c in first["traffic"]["collectives"]} == {"int8", "int32"}
 
 
 def test_cli_without_the_flags_prints_one_flat_level(capsys):
