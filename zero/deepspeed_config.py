@@ -51,7 +51,7 @@ AUTO = "auto"
 _PERF = "communication scheduling: zero always {}; it changes no number"
 _S3 = ("DeepSpeed's stage-3 gathering/persistence knob, counted in elements; zero gathers unit by unit "
        "(unit_classes or unit_size_mb, prefetch_units, reshard_after_forward); it changes no number")
-_NVME = "only used with device 'nvme', which zero does not support"
+_NVME = "DeepSpeed's NVMe tuning; zero's disk offload maps its file in buckets (offload.buffer_count)"
 
 # key path -> why it changes nothing in zero (any value accepted, "auto" included)
 IGNORED: dict[str, str] = {
@@ -79,10 +79,8 @@ IGNORED: dict[str, str] = {
     f"{ZO}.gather_16bit_weights_on_model_save": "saving is zero.save_checkpoint / consolidate's",
     f"{ZO}.offload_optimizer.pin_memory": "zero pins host buffers whenever the model is on a GPU",
     f"{ZO}.offload_param.pin_memory": "zero pins host buffers whenever the model is on a GPU",
-    f"{ZO}.offload_optimizer.nvme_path": _NVME, f"{ZO}.offload_optimizer.buffer_count": _NVME,
-    f"{ZO}.offload_optimizer.fast_init": _NVME, f"{ZO}.offload_param.nvme_path": _NVME,
-    f"{ZO}.offload_param.buffer_count": _NVME, f"{ZO}.offload_param.buffer_size": _NVME,
-    f"{ZO}.offload_param.max_in_cpu": _NVME,
+    f"{ZO}.offload_optimizer.fast_init": _NVME, f"{ZO}.offload_param.buffer_size": _NVME,
+    f"{ZO}.offload_param.max_in_cpu": _NVME, "aio": _NVME + " through the page cache, not libaio",
     "bf16.immediate_grad_update": "DeepSpeed's bf16 optimizer scheduling; it changes no number",
     "bf16.check_grad_overflow": "zero does not check bf16 gradients for inf/NaN (bf16 has fp32's range)",
 }
@@ -124,7 +122,6 @@ REFUSED: dict[str, str] = {
     "or pass ignore=['scheduler'] once you have",
     "activation_checkpointing": "DeepSpeed's checkpointing API is not used; set ZeroConfig.activation_checkpointing "
     "(e.g. {} for every block) instead",
-    "aio": "NVMe offload is not supported yet",
     f"{ZO}.zenflow": "ZenFlow is not supported",
     f"{ZO}.zeropp_loco_param": "ZeRO++ LoCo is not supported",
 }
@@ -136,6 +133,8 @@ MAPPED = {
     f"{ZO}.stage", f"{ZO}.reduce_bucket_size", f"{ZO}.allgather_bucket_size", f"{ZO}.offload_optimizer",
     f"{ZO}.offload_param", f"{ZO}.offload_optimizer.device", f"{ZO}.offload_param.device",
     f"{ZO}.zero_quantized_weights", f"{ZO}.zero_quantized_gradients", f"{ZO}.zero_hpz_partition_size",
+    f"{ZO}.offload_optimizer.nvme_path", f"{ZO}.offload_param.nvme_path", f"{ZO}.offload_optimizer.buffer_count",
+    f"{ZO}.offload_param.buffer_count",
     "fp16.enabled", "fp16.auto_cast", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
     "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
 }
@@ -316,26 +315,47 @@ class _Reader:
         return {"bucket_size_mb": elements * itemsize / 2**20}
 
     def offload(self, zo: Mapping[str, Any], stage: int) -> dict[str, Any]:
-        offload = {"optimizer": "none", "params": "none"}
+        offload: dict[str, Any] = {"optimizer": "none", "params": "none"}
+        disk: dict[str, Any] = {}  # nvme: the directory and buffer count each section gives
         for key, ours in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
             section = _section(zo, key)
             if not section:
                 continue
             path = f"{ZO}.{key}.device"
             device = self.get(section, path, str, "cpu")
+            if device not in ("cpu", "none", "nvme"):
+                raise ValueError(f"DeepSpeed key {path}={device!r}: zero offloads to 'cpu', 'nvme' (or 'none')")
+            offload[ours] = "disk" if device == "nvme" else device
             if device == "nvme":
-                raise ValueError(f"DeepSpeed key {path}='nvme' is not supported yet: zero offloads to host memory "
-                                 "only. Use device 'cpu' (or 'none').")
-            if device not in ("cpu", "none"):
-                raise ValueError(f"DeepSpeed key {path}={device!r}: zero offloads to 'cpu' (or 'none')")
-            offload[ours] = device
-        if offload["params"] == "cpu" and stage != 3:
-            raise ValueError(f"DeepSpeed key {ZO}.offload_param.device='cpu' needs {ZO}.stage 3 (got {stage}): only "
-                             "stage 3 shards the parameters. Set stage 3, or remove offload_param.")
-        if offload["optimizer"] == "cpu" and stage == 0:
-            raise ValueError(f"DeepSpeed key {ZO}.offload_optimizer.device='cpu' needs {ZO}.stage 1, 2 or 3 "
-                             "(got 0): stage 0 keeps the whole optimizer state on every rank.")
+                disk[key] = (self.get(section, f"{ZO}.{key}.nvme_path", str, None),
+                             self.get(section, f"{ZO}.{key}.buffer_count", int, None))
+        if disk:
+            offload.update(self.nvme(disk))
+        device = {"cpu": "cpu", "disk": "nvme"}
+        if offload["params"] in device and stage != 3:
+            raise ValueError(f"DeepSpeed key {ZO}.offload_param.device={device[offload['params']]!r} needs {ZO}.stage "
+                             f"3 (got {stage}): only stage 3 shards the parameters. Set stage 3, or remove "
+                             "offload_param.")
+        if offload["optimizer"] in device and stage == 0:
+            raise ValueError(f"DeepSpeed key {ZO}.offload_optimizer.device={device[offload['optimizer']]!r} needs "
+                             f"{ZO}.stage 1, 2 or 3 (got 0): stage 0 keeps the whole optimizer state on every rank.")
         return offload
+
+    def nvme(self, disk: dict[str, tuple[str | None, int | None]]) -> dict[str, Any]:
+        """``device: 'nvme'`` is zero's offload to disk: one ``path`` (``nvme_path``) and ``buffer_count``."""
+        paths = {key: path for key, (path, _) in disk.items()}
+        if None in paths.values():
+            key = next(k for k, p in paths.items() if p is None)
+            raise ValueError(f"DeepSpeed key {ZO}.{key}.device='nvme' needs {ZO}.{key}.nvme_path: the directory "
+                             "that holds the offload files")
+        if len(set(paths.values())) > 1:
+            raise ValueError(f"DeepSpeed keys {ZO}.offload_optimizer.nvme_path and {ZO}.offload_param.nvme_path "
+                             "differ; zero keeps one offload file per rank, in one directory. Give both the same.")
+        counts = {count for _, count in disk.values() if count is not None}
+        if len(counts) > 1:
+            raise ValueError(f"DeepSpeed keys {ZO}.offload_optimizer.buffer_count and {ZO}.offload_param."
+                             "buffer_count differ; zero maps one window of buckets. Give both the same.")
+        return {"path": next(iter(paths.values())), **({"buffer_count": counts.pop()} if counts else {})}
 
     def communication(self, zo: Mapping[str, Any], stage: int) -> dict[str, Any]:
         """ZeRO++: quantized weights (qwZ) and gradients (qgZ), and hierarchical partitioning (hpZ)."""

@@ -88,10 +88,26 @@ def test_stage3_fp16_defaults_follow_deepspeed():
     assert config.precision.loss_scale == LossScale(init_scale=2.0**16, growth_interval=1000, min_scale=1.0)
 
 
-def test_nvme_offload_is_refused_by_key():
-    refused(STAGE3_NVME, "zero_optimization.offload_optimizer.device='nvme'", "not supported yet")
+def test_nvme_offload_is_offload_to_disk():
+    result = ZeroConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme_data", "buffer_count": 4},
+        "offload_param": {"device": "nvme", "nvme_path": "/nvme_data", "buffer_count": 4, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9}},
+        "aio": {"block_size": 1048576, "queue_depth": 8}})
+    offload = result.config.offload
+    assert (offload.optimizer, offload.params, offload.path, offload.buffer_count) == ("disk", "disk", "/nvme_data", 4)
+    assert {"aio", "zero_optimization.offload_param.buffer_size"} <= set(result.ignored)
+    assert ZeroConfig.from_deepspeed(STAGE3_NVME).config.offload.buffer_count == 2  # zero's default
     param_only = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
-    refused(param_only, "zero_optimization.offload_param.device='nvme'")
+    refused(param_only, "zero_optimization.offload_param.device='nvme' needs zero_optimization.offload_param.nvme_path")
+    two_paths = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                                       "offload_param": {"device": "nvme", "nvme_path": "/b"}}}
+    refused(two_paths, "nvme_path differ")
+    refused({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/a"}}},
+            "offload_param.device='nvme' needs zero_optimization.stage 3")
+    refused({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                   "offload_param": {"device": "nvme", "nvme_path": "/a"}}},
+            "keeps the optimizer side on disk too")
 
 
 def test_fp16_documented_keys():
