@@ -42,13 +42,16 @@ def encode(chunks: torch.Tensor, block: int, out: torch.Tensor) -> None:
     (``rows x packet_bytes(n, block)``, ``uint8``)."""
     rows, n = chunks.shape
     blocks = num_blocks(n, block)
-    padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=chunks.device)
-    padded[:, :n] = chunks
+    if n % block:
+        padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=chunks.device)
+        padded[:, :n] = chunks
+    else:
+        padded = chunks.to(torch.float32, copy=True)  # (scratch: scaled and rounded in place below)
     padded = padded.view(rows, blocks, block)
-    scales = padded.abs().amax(dim=2) / LEVELS  # rows x blocks
+    scales = padded.abs().amax(dim=2) / LEVELS  # rows x blocks: absmax / 127
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)  # an all-zero block: q = 0, any scale
-    values = torch.round(padded / safe.unsqueeze(2)).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    out[:, : blocks * block].view(torch.int8).copy_(values.view(rows, -1))
+    padded.div_(safe.unsqueeze(2)).round_().clamp_(-LEVELS, LEVELS)
+    out[:, : blocks * block].view(torch.int8).unflatten(1, (blocks, block)).copy_(padded)  # (integers: exact)
     out[:, _values_bytes(n, block):].view(torch.float32).copy_(scales)
 
 
@@ -56,10 +59,9 @@ def decode(packets: torch.Tensor, n: int, block: int) -> torch.Tensor:
     """The fp32 values (``rows x n``) of the packets (``rows x packet_bytes(n, block)``, ``uint8``)."""
     rows = packets.shape[0]
     blocks = num_blocks(n, block)
-    values = packets[:, : blocks * block].view(torch.int8).reshape(rows, blocks, block).to(torch.float32)
+    decoded = packets[:, : blocks * block].view(torch.int8).reshape(rows, blocks, block).to(torch.float32)
     scales = packets[:, _values_bytes(n, block):].view(torch.float32)
-    decoded = values * scales.unsqueeze(2)
-    decoded = torch.where(scales.isfinite().unsqueeze(2), decoded, float("nan"))
+    decoded.mul_(scales.unsqueeze(2)).masked_fill_(~scales.isfinite().unsqueeze(2), float("nan"))
     return decoded.view(rows, blocks * block)[:, :n]
 
 
