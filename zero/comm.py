@@ -187,9 +187,8 @@ class Communicator:
         self.codec: Codec = codec if codec is not None else IdentityCodec()
         self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
-        self.replicas = replicas
-        # communicators whose traffic counts as this one's steps', by level: "inter" (across HSDP's groups), "intra"
-        # (within hpZ's groups); zero.hierarchy sets them up
+        # communicators whose traffic counts as this one's steps', by level: "inter" (across HSDP's groups: the
+        # replicas), "intra" (within hpZ's groups); zero.hierarchy sets them up
         self.levels: dict[str, Communicator] = {"inter": replicas} if replicas is not None else {}
 
     def __repr__(self) -> str:
@@ -199,6 +198,11 @@ class Communicator:
     def backend(self) -> str:
         """The process group's backend (``"nccl"``, ``"gloo"``, ...), or ``"none"`` without one."""
         return str(dist.get_backend(self.group)) if self.group is not None else "none"
+
+    @property
+    def replicas(self) -> Communicator | None:
+        """HSDP: the communicator across the groups (``None`` without it)."""
+        return self.levels.get("inter")
 
     @property
     def data_parallel_size(self) -> int:

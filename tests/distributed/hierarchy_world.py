@@ -34,7 +34,8 @@ HPZ_RUNS = {  # stage 3 with ZeRO++'s secondary copies: backward gathers (recomp
     "hpz": {"communication": HPZ},
     "hpz-checkpointed": {"communication": HPZ, "activation_checkpointing": {}},
 }
-SCENARIOS = [("adamw", "plain"), ("sgd", "clip"), ("sgd", "edit"), ("sgd", "passes3"), ("sgd", "finetune")]
+SCENARIOS = [("adamw", "plain"), ("sgd", "clip"), ("sgd", "edit"), ("sgd", "passes3"), ("sgd", "zero_grad_paths"),
+             ("sgd", "finetune")]  # (zero_grad_paths: model.zero_grad(), zero_grad(set_to_none=False), none)
 STAGES = (1, 2, 3)
 RESUME_STEPS = 3
 

@@ -49,7 +49,10 @@ def save_checkpoint(
     replicas = opt.comm.replicas
     if replicas is None:
         return _save(path, model, opt, scheduler, extra, progress)
-    write = lambda: str(_save(path, model, opt, scheduler, extra, progress)) if replicas.rank == 0 else None  # noqa: E731
+
+    def write() -> str | None:
+        return str(_save(path, model, opt, scheduler, extra, progress)) if replicas.rank == 0 else None
+
     return Path(replicas.everywhere(write, "saving the checkpoint in the first shard group", share=True)[0])
 
 
