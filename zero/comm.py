@@ -31,24 +31,35 @@ time; 130 MB: 1.8-2.1x and 3.9-4.2x; ``benchmarks/gloo_collectives.py``), and wi
 at stage 2 went from 1.07x to 0.96x DDP's in the same run (``benchmarks/why_time.py``). Each rank's chunk is
 still the sum over ranks of the same inputs (bit for bit at two ranks; beyond, added in the order of gloo's
 all-reduce, the one DDP and stage 0 use), and every rank holds the same values.
+
+Note on exit: a gloo collective's work, and with it the tensors it was given, is dropped by gloo's worker
+thread just after the work completes, so possibly after ``wait()`` has returned here. Had this thread already
+dropped its own references, the worker would be the one to free those tensors' Python objects, taking the GIL;
+if the script is by then exiting, Python ends that thread inside C++ and the process aborts ("terminate called
+without an active exception", seen at the end of short runs). So every gloo collective is started on private
+aliases (:class:`Settled`), and its wait returns once the worker has let go of them: the last reference is this
+thread's. For the same reason a communicator holds its group weakly (``Communicator.group``): after
+``destroy_process_group()`` nothing of ours keeps a group's worker threads alive into the interpreter's exit.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import json
-import os
+import pickle
+import time
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from zero.codec import Codec, IdentityCodec, Work, Works
+from zero.comm_groups import abort_group, check_launcher_world, resolve_device
 from zero.comm_handles import Chain, CommStats, Handle, KindStats
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_SETTLE_S = 1.0  # the longest wait() waits for gloo's worker to let go of a finished collective's tensors
 _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
 
 
@@ -57,45 +68,32 @@ def _all_gather_into_tensor(*args: Any, **kwargs: Any) -> Any:
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _abort_group(group: dist.ProcessGroup) -> None:
-    """Abort ``group`` after a failed collective, so that the process can exit.
+class Settled:
+    """A gloo collective started on private aliases of its tensors; :meth:`wait` returns only once gloo's worker
+    thread has let go of them (see the module's Note on exit), so the last reference to each is this thread's."""
 
-    ``ProcessGroup.abort()`` (public) aborts NCCL's communicators, but gloo's is a no-op
-    (torch 2.13): its worker thread stays blocked in the failed collective until the group's
-    own timeout (30 min by default), and the group's destructor joins that thread, so
-    ``destroy_process_group()`` or interpreter exit would wait that long. One reference to
-    the group that is never released keeps that destructor from running, and the process
-    exits at once. (``distributed_c10d._abort_process_group`` does no better for gloo.)
-    """
-    with contextlib.suppress(RuntimeError):  # a backend that cannot abort: the error to raise is the caller's
-        group.abort()
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    def __init__(self, start: Callable[..., Any], tensors: tuple[torch.Tensor, ...], kwargs: dict[str, Any]):
+        self._aliases = [t.detach() for t in tensors]  # (new tensor objects over the same memory)
+        self._work: Any = start(*self._aliases, async_op=True, **kwargs)
 
-
-def _resolve_device(device: torch.device | str | None, backend: str) -> torch.device:
-    """The device a communicator sends from: ``device``, else the current GPU with NCCL, else the CPU."""
-    if device is None:
-        device = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"the process group's backend is nccl, which moves only CUDA tensors, but the device is {device}. "
-            "Move the model to the GPU (model.cuda()) before wrapping it, or use the gloo backend for CPU training."
-        )
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    def wait(self, timeout: datetime.timedelta) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        work.wait(timeout=timeout)
+        del work  # (then only gloo's worker may hold the aliases: it drops them right after completing)
+        deadline = time.monotonic() + _SETTLE_S
+        while any(alias._use_count() > 1 for alias in self._aliases) and time.monotonic() < deadline:
+            time.sleep(0)
+        self._aliases = []
 
 
-def _check_launcher_world() -> None:
-    """Refuse world size 1 when a launcher (torchrun) started several processes."""
-    world = os.environ.get("WORLD_SIZE", "")
-    if world.isdigit() and int(world) > 1:
-        raise ValueError(
-            f"this script runs under a launcher with WORLD_SIZE={world} but never called "
-            "torch.distributed.init_process_group(), so every rank would train its own unrelated model. "
-            "Call torch.distributed.init_process_group() before building the ZeroOptimizer, or pass process_group=."
-        )
+def _start(start: Callable[..., Any], backend: str, *tensors: torch.Tensor, **kwargs: Any) -> Any:
+    """``start(*tensors, async_op=True, **kwargs)``, a ``torch.distributed`` collective: the only place one
+    starts. On gloo through :class:`Settled`."""
+    if backend == "gloo":
+        return Settled(start, tensors, kwargs)
+    return start(*tensors, async_op=True, **kwargs)
 
 
 class GroupTransport:
@@ -120,17 +118,17 @@ class GroupTransport:
                 mine.copy_(input)
             chunks = [output.narrow(0, r * n, n) for r in range(self.world_size)]
             return Works([
-                dist.broadcast(chunk, dist.get_global_rank(self._group, r), group=self._group, async_op=True)
+                _start(dist.broadcast, self.backend, chunk, src=dist.get_global_rank(self._group, r), group=self._group)
                 for r, chunk in enumerate(chunks)
             ])
-        return _all_gather_into_tensor(output, input, group=self._group, async_op=True)
+        return _start(_all_gather_into_tensor, self.backend, output, input, group=self._group)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         assert input.numel() == output.numel() * self.world_size, (input.shape, output.shape)
         self._sent(input)
         if self.backend == "gloo":  # see the module's Note
             chunk = input.narrow(0, self.rank * output.numel(), output.numel())
-            work = dist.all_reduce(input, group=self._group, async_op=True)
+            work = _start(dist.all_reduce, self.backend, input, group=self._group)
             if chunk.data_ptr() == output.data_ptr():
                 return work
 
@@ -139,16 +137,16 @@ class GroupTransport:
 
             return Works([work], then)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(output, input, group=self._group, async_op=True)
+        return _start(fn, self.backend, output, input, group=self._group)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         assert output.numel() == input.numel() and input.numel() % self.world_size == 0, (output.shape, input.shape)
         self._sent(input)
-        return dist.all_to_all_single(output, input, group=self._group, async_op=True)
+        return _start(dist.all_to_all_single, self.backend, output, input, group=self._group)
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         self._sent(tensor)
-        return dist.all_reduce(tensor, group=self._group, async_op=True)
+        return _start(dist.all_reduce, self.backend, tensor, group=self._group)
 
 
 class Communicator:
@@ -177,12 +175,12 @@ class Communicator:
         if group is None and initialized:
             group = dist.group.WORLD
         if group is None:
-            _check_launcher_world()
-        self.group = group
+            check_launcher_world()
+        self._group = weakref.ref(group) if group is not None else None  # (see ``group``)
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.device = _resolve_device(device, self.backend)
+        self.device = resolve_device(device, self.backend)
         self.force_collectives = force_collectives
         self.codec: Codec = codec if codec is not None else IdentityCodec()
         self.aborted = False  # set when a collective failed and the group was aborted
@@ -193,6 +191,24 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device})"
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (``None`` without one), held weakly: ``torch.distributed`` owns its groups, and
+        ``destroy_process_group()`` must free them then, while the interpreter is alive. A gloo group's worker
+        thread may still hold its last collective and drop that collective's tensors; during interpreter exit,
+        taking the GIL to do so aborts the process ("terminate called without an active exception"). An optimizer
+        kept to the end of a script would otherwise keep every group alive until then."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "zero: the process group was destroyed (torch.distributed.destroy_process_group()), so this "
+                "optimizer can no longer communicate; call close(), save_checkpoint() and the like before "
+                "destroying it, or build a new ZeroOptimizer after init_process_group()."
+            )
+        return group
 
     @property
     def backend(self) -> str:
@@ -219,7 +235,7 @@ class Communicator:
 
     def _abort(self) -> None:
         self.aborted = True
-        _abort_group(self.group)
+        abort_group(self.group)
 
     def _check(self, what: str, *tensors: torch.Tensor) -> None:
         """Raise unless the group is usable and every tensor is on this communicator's device."""
@@ -247,8 +263,8 @@ class Communicator:
             handle = self._handle(None, what)
         else:
             stats = self.stats.record("all_reduce", tensor)
-            handle = self._handle(dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True),
-                                  what, stats)
+            work = _start(dist.all_reduce, self.backend, tensor, op=_REDUCE_OPS[op], group=self.group)
+            handle = self._handle(work, what, stats)
         if not every_group or self.replicas is None:
             return handle
         return Chain(handle, lambda: self.replicas.all_reduce(tensor, op, what=f"{what} across groups"))
@@ -307,18 +323,18 @@ class Communicator:
         else:
             stats = self.stats.record("broadcast", tensor)
             global_src = dist.get_global_rank(self.group, src)
-            handle = self._handle(dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), what, stats)
+            work = _start(dist.broadcast, self.backend, tensor, src=global_src, group=self.group)
+            handle = self._handle(work, what, stats)
         if self.replicas is None:
             return handle
         return Chain(handle, lambda: self.replicas.broadcast(tensor, 0, what=f"{what} across groups"))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors)."""
+        """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors), with this
+        communicator's timeout."""
         if self.skips_collectives:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return [pickle.loads(b) for b in self._all_gather_bytes(pickle.dumps(obj), "all-gather of objects")]
 
     def all_gather_json(self, obj: Any, *, what: str = "all-gather of metadata") -> list[Any]:
         """Every rank's JSON-serializable ``obj``, in rank order, with this communicator's timeout (for
@@ -326,23 +342,26 @@ class Communicator:
         payload = json.dumps(obj).encode()
         if self.skips_collectives:
             return [json.loads(payload)]
+        return [json.loads(b) for b in self._all_gather_bytes(payload, what)]
+
+    def _all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload``, in rank order: the lengths, then the bytes padded to the longest."""
         self._check(what)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self._handle(_all_gather_into_tensor(sizes, mine, group=self.group, async_op=True), what).wait()
+        self._handle(_start(_all_gather_into_tensor, self.backend, sizes, mine, group=self.group), what).wait()
         longest = int(sizes.max())
         data = torch.zeros(longest, dtype=torch.uint8)
         data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
-        self._handle(_all_gather_into_tensor(gathered, data.to(self.device), group=self.group, async_op=True),
+        self._handle(_start(_all_gather_into_tensor, self.backend, gathered, data.to(self.device), group=self.group),
                      what).wait()
         rows = gathered.cpu().view(self.world_size, longest)
-        return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
+        return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(self.world_size)]
 
     def barrier(self, what: str = "barrier") -> None:
-        """Wait until every rank of the group is here (with this communicator's timeout). Before
-        ``destroy_process_group()``: a rank that tears its group down while a peer still completes its last
-        collective can make the peer's gloo abort the process at exit."""
+        """Wait until every rank of the group is here (with this communicator's timeout): before
+        ``destroy_process_group()``, no rank tears its group down while a peer still waits in a collective."""
         self.all_gather_json(None, what=what)
 
     def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_world
-from zero.comm import Communicator, _resolve_device
+from zero.comm import Communicator
+from zero.comm_groups import resolve_device
 
 
 @pytest.fixture(autouse=True)
@@ -50,13 +51,13 @@ def test_forcing_collectives_needs_a_process_group():
 
 def test_nccl_refuses_a_device_that_is_not_cuda():
     with pytest.raises(ValueError, match=r"nccl, which moves only CUDA tensors, but the device is cpu\. Move"):
-        _resolve_device("cpu", "nccl")
+        resolve_device("cpu", "nccl")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_defaults_to_the_current_gpu_with_its_index():
-    assert _resolve_device(None, "nccl") == torch.device("cuda", torch.cuda.current_device())
-    assert _resolve_device("cuda", "gloo").index == torch.cuda.current_device()
+    assert resolve_device(None, "nccl") == torch.device("cuda", torch.cuda.current_device())
+    assert resolve_device("cuda", "gloo").index == torch.cuda.current_device()
 
 
 COLLECTIVES = {
