@@ -1,7 +1,8 @@
 """The AdamW step in plain torch, one operation at a time: the reference the step kernels are tested against.
 
 It follows ``torch.optim.AdamW``'s single-tensor arithmetic (and Adam's, with ``decoupled=False``: the
-weight decay is then added to the gradient, L2-style). Everything is fp32; ``out``, when given, receives
+weight decay is then added to the gradient, L2-style). Everything is in ``param``'s dtype (fp32; float64 for a
+reference of the reference); ``out``, when given, receives
 the updated parameter cast to its dtype (the low-precision copy a mixed-precision step writes).
 """
 
@@ -29,7 +30,7 @@ def adamw_reference(
     out: torch.Tensor | None = None,
 ) -> None:
     """One step, in place on ``param``, ``exp_avg`` and ``exp_avg_sq`` (``step`` counts from 1)."""
-    grad = grad.float()
+    grad = grad.to(param.dtype)
     if weight_decay and decoupled:
         param.mul_(1 - lr * weight_decay)
     elif weight_decay:
