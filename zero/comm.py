@@ -59,7 +59,7 @@ from zero.comm_groups import abort_group, check_launcher_world, resolve_device
 from zero.comm_handles import Chain, CommStats, Handle, KindStats
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_SETTLE_S = 1.0  # the longest wait() waits for gloo's worker to let go of a finished collective's tensors
+_SETTLE_S = 0.1  # the longest wait() waits for gloo's worker to let go of a finished collective's tensors
 _ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
 
 
