@@ -77,8 +77,6 @@ class Settled:
         self._work: Any = start(*self._aliases, async_op=True, **kwargs)
 
     def wait(self, timeout: datetime.timedelta) -> None:
-        if self._work is None:
-            return
         work, self._work = self._work, None
         work.wait(timeout=timeout)
         del work  # (then only gloo's worker may hold the aliases: it drops them right after completing)
@@ -360,14 +358,14 @@ class Communicator:
         return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(self.world_size)]
 
     def barrier(self, what: str = "barrier") -> None:
-        """Wait until every rank of the group is here (with this communicator's timeout): before
-        ``destroy_process_group()``, no rank tears its group down while a peer still waits in a collective."""
+        """Wait until every rank of the group is here (with this communicator's timeout)."""
         self.all_gather_json(None, what=what)
 
-    def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
+    def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False, every_group: bool = False) -> Any:
         """Run ``fn`` on this rank, then hear every rank's outcome (one :meth:`all_gather_json`): an error on any
         rank is raised on all of them, with that rank's message, instead of leaving the others waiting in their
-        next collective. Returns this rank's result, or with ``share`` every rank's (JSON values)."""
+        next collective. Returns this rank's result, or with ``share`` every rank's (JSON values). ``every_group``
+        (hierarchical sharding): every group's ranks too, numbered as in the whole job."""
         error, result = None, None
         try:
             result = fn()
@@ -375,6 +373,8 @@ class Communicator:
             error = err
         outcomes = self.all_gather_json({"error": None if error is None else [type(error).__name__, str(error)],
                                          "result": result if share else None}, what=what)
+        if every_group and self.replicas is not None:  # (rank = group * shard_size + rank in the group)
+            outcomes = [o for group in self.replicas.all_gather_json(outcomes, what=what) for o in group]
         if error is not None:
             raise error
         for rank, outcome in enumerate(outcomes):

@@ -7,6 +7,7 @@ world of 4 ranks laid out as 2 groups of 2 (two machines of two ranks), and the 
 * ``resume``: SGD at stage 3 with ``shard_size=2``: 3 steps, a portable checkpoint, 3 more steps; then a flat
   stage-2 run at 4 ranks loads the checkpoint and takes the same 3 steps;
 * ``quantized``: ``shard_size=2`` with qwZ and qgZ: per-step traffic, and that gathers outside training are exact.
+* ``heard``: ``Communicator.everywhere`` with one rank failing, inside its group and across the groups;
 * ``traffic``: ``traffic_world.HIERARCHY_CASES``, a GPT's steady step's ``opt.comm_stats`` for the estimator;
   ``traffic_hpz``: the same for ``traffic_world.HPZ_CASES`` (hpZ).
 """
@@ -126,10 +127,30 @@ def quantized(rank: int) -> dict:
             "after": after, "closed": closed}
 
 
+def heard(rank: int) -> dict:
+    """``opt.comm.everywhere`` (the shard group's communicator) when rank 3, of the second group, fails: without
+    ``every_group`` and with it (the Trainer's export fails on one rank that way); what each rank raised."""
+    _, opt = _fresh(3, HIERARCHY)
+
+    def export() -> int:
+        if rank == 3:
+            raise ValueError("no space left")
+        return rank
+
+    outcomes = {}
+    for every_group in (False, True):
+        try:
+            outcomes[str(every_group)] = opt.comm.everywhere(export, "exporting", every_group=every_group)
+        except ValueError as err:
+            outcomes[str(every_group)] = str(err)
+    outcomes["shared"] = opt.comm.everywhere(lambda: rank, "sharing", share=True, every_group=True)
+    return outcomes
+
+
 def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
     assert world_size == WORLD_SIZE
     return {"parity": parity(rank), "layout": layout(rank, HIERARCHY), "layout_hpz": layout(rank, HPZ),
             "flat_stats": layout(rank, {})["stats"], "layout_hpz1": layout(rank, {**HPZ, "shard_size": 1}),
             "resume": resume(rank, directory, HIERARCHY, (2, {})), "resume_hpz": resume(rank, directory, HPZ, (3, HPZ)),
             "quantized": quantized(rank), "traffic": traffic_checks(rank, world_size),
-            "traffic_hpz": hpz_traffic_checks(rank, world_size)}
+            "traffic_hpz": hpz_traffic_checks(rank, world_size), "heard": heard(rank)}

@@ -186,3 +186,14 @@ def test_the_estimator_prices_hpz_traffic_exactly(hierarchy_world, case):
     for rank, result in enumerate(hierarchy_world):
         assert result["traffic_hpz"][case] == expected, (rank, HPZ_CASES[case])
 
+
+
+def test_an_error_on_one_rank_is_heard_in_every_group_when_asked(hierarchy_world):
+    """The Trainer's export runs on rank 0 and its failure must reach every rank of every shard group (each group
+    would otherwise go on, and wait for the failed rank in its next collective)."""
+    for rank, result in enumerate(hierarchy_world):
+        heard = result["heard"]
+        assert heard["False"] == (rank if rank < 2 else "rank 1 failed while exporting: no space left" if rank == 2
+                                  else "no space left")  # (inside a group: rank 1 of the second group)
+        assert heard["True"] == ("no space left" if rank == 3 else "rank 3 failed while exporting: no space left")
+        assert heard["shared"] == [0, 1, 2, 3]

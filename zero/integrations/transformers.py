@@ -105,11 +105,11 @@ class ZeroTrainer(Trainer):
         checkpoint = output_dir / CHECKPOINT_DIR
         save_checkpoint(checkpoint, self.model, self.zero_optimizer, scheduler=self.lr_scheduler,
                         progress=self.args.should_save)
-        def export() -> None:  # rank 0; a failure there is raised on every rank (none waits for it)
+        def export() -> None:  # rank 0; a failure there is raised on every rank, of every shard group
             if self.args.should_save:
                 self._export(checkpoint, output_dir, keep_checkpoint=_internal_call)
 
-        self.zero_optimizer.comm.everywhere(export, f"exporting the model to {output_dir}")
+        self.zero_optimizer.comm.everywhere(export, f"exporting the model to {output_dir}", every_group=True)
 
     def _export(self, checkpoint: Path, output_dir: Path, keep_checkpoint: bool) -> None:
         """``model.safetensors`` (or shards), the config, generation config and tokenizer, for ``from_pretrained``."""
