@@ -67,6 +67,9 @@ class Handle:
         self._on_failure = on_failure
         self._stats = stats
 
+    def advance(self) -> None:
+        """Nothing: a collective of one phase is under way once started (see :meth:`Chain.advance`)."""
+
     def wait(self) -> None:
         if self._work is None:
             return
@@ -89,15 +92,24 @@ class Handle:
 
 
 class Chain:
-    """A collective in two phases (hierarchical sharding: inside the group, then across the groups): ``wait()``
-    waits for ``first``, then starts the second phase (``then()``, returning its handle) and waits for it."""
+    """A collective in two phases (hierarchical sharding: inside the group, then across the groups): ``advance()``
+    waits for ``first`` and starts the second phase (``then()``, returning its handle); ``wait()`` also waits for
+    that. Every rank must advance and wait for its chains in the same order: it is the order in which the second
+    phases go out on the group across."""
 
     def __init__(self, first: Handle, then: Callable[[], Handle]):
         self.first = first
         self._then: Callable[[], Handle] | None = then
+        self._second: Handle | Chain | None = None
+
+    def advance(self) -> None:
+        if self._then is not None:
+            self.first.wait()
+            then, self._then = self._then, None
+            self._second = then()
 
     def wait(self) -> None:
-        self.first.wait()
-        if self._then is not None:
-            then, self._then = self._then, None
-            then().wait()
+        self.advance()
+        if self._second is not None:
+            second, self._second = self._second, None
+            second.wait()

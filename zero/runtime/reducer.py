@@ -27,7 +27,9 @@ Life of one backward pass:
    on one rank (its parameters all used) but late on another (one of them unused there)
    still goes out in the same position everywhere.
 4. At most ``max_in_flight`` reductions are outstanding; launching one more first
-   completes the oldest (``stage.finish_reduce``), which bounds stage 2's memory.
+   completes the oldest (``stage.finish_reduce``), which bounds stage 2's memory. With hierarchical
+   sharding a launch also starts the sums across the groups of the buckets in flight (``Chain.advance``),
+   in launch order on every rank, so that they run during backward rather than after it.
 5. When the pass ends, buckets not yet launched are completed with zeros for the
    gradients that never arrived and launched in order; then one small all-reduce tells
    every rank which parameters got a gradient on *any* rank (and, with fp16 loss scaling,
@@ -245,6 +247,8 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         if self._order.full:
             self._complete_oldest()
+        for _, handle in self._order.in_flight:  # hierarchical sharding: the sums across the groups of the
+            handle.advance()  # buckets launched before start now, during backward (by then inside is mostly done)
         grads = self.stage.collect(bucket)
         self.scaler.observe(grads)
         handle = self.stage.launch_reduce(bucket, self.comm)
