@@ -9,6 +9,7 @@ import torch.distributed as dist
 from tests.distributed.harness import run_world
 from zero.comm import Communicator
 from zero.comm_groups import resolve_device
+from zero.comm_handles import Chain
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +131,38 @@ def test_forced_collectives_really_run_in_a_world_of_one():
         "reduce_scatter": {"calls": 2, "numel": 8, "bytes": 32},
     }
     assert results["plain_stats"] == {}  # not forced: nothing sent, nothing counted
+
+
+class _Phase:
+    """A handle that logs when it is waited for."""
+
+    def __init__(self, name: str, log: list[str]):
+        self.name, self.log = name, log
+
+    def advance(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        self.log.append(f"wait {self.name}")
+
+
+def test_a_chain_advances_once_and_waits_for_its_second_phase_once():
+    """advance() waits for the first phase and starts the second without waiting for it (the reducer advances
+    HSDP's buckets at the next launch); wait() then waits for the second; neither repeats."""
+    log: list[str] = []
+
+    def second() -> _Phase:
+        log.append("start second")
+        return _Phase("second", log)
+
+    chain = Chain(_Phase("first", log), second)
+    chain.advance()
+    chain.advance()
+    assert log == ["wait first", "start second"]
+    chain.wait()
+    chain.wait()
+    assert log == ["wait first", "start second", "wait second"]
+    log.clear()
+    unadvanced = Chain(_Phase("first", log), second)
+    unadvanced.wait()
+    assert log == ["wait first", "start second", "wait second"]
