@@ -193,10 +193,7 @@ class Communicator:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (``None`` without one), held weakly: ``torch.distributed`` owns its groups, and
-        ``destroy_process_group()`` must free them then, while the interpreter is alive. A gloo group's worker
-        thread may still hold its last collective and drop that collective's tensors; during interpreter exit,
-        taking the GIL to do so aborts the process ("terminate called without an active exception"). An optimizer
-        kept to the end of a script would otherwise keep every group alive until then."""
+        ``destroy_process_group()`` frees them (see the module's Note on exit)."""
         if self._group is None:
             return None
         group = self._group()
