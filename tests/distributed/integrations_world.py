@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from tests.toy import tiny_hf
 
@@ -94,54 +95,85 @@ def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
-    """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at stages 0-3; then
-    save_state / load_state through the helper's hooks."""
-    torchrun_env(rank, world_size)
+def _accelerate_run(stage: int | None, steps=range(STEPS), state_in: str | None = None,
+                    state_out: str | None = None, **zero_config) -> dict:
+    """One Accelerate loop with accumulation: DDP (``stage`` None) or the helper at ``stage`` with ``zero_config``;
+    save_state after step 2 to ``state_out``, or load_state from ``state_in`` first."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
     import zero.integrations.accelerate as zacc
 
-    def run(stage: int | None, steps=range(STEPS), state_in: str | None = None, state_out: str | None = None) -> dict:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-        model = gpt2(seed=0 if state_in is None else 1)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
-        if stage is None:
-            model, opt, loader = accelerator.prepare(model, inner, loader)
-        else:
-            model, opt, loader = zacc.prepare(accelerator, model, inner, loader, stage=stage, bucket_size_mb=0.01)
-        scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
-        if state_in is not None:
-            accelerator.load_state(state_in)  # the helper's hook loads the model and optimizer
-            loader = accelerator.skip_first_batches(loader, 2 * (STEPS - len(steps)))
-        losses, norms, done = [], [], 0
-        for i, batch in enumerate(loader):
-            if done == len(steps):
-                break
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    norm = (accelerator.clip_grad_norm_(model.parameters(), 0.5) if stage is None
-                            else opt.clip_grad_norm_(0.5))
-                    norms.append(float(norm))
-                opt.step()
-                scheduler.step()
-                opt.zero_grad()
-            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = gpt2(seed=0 if state_in is None else 1)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+    if stage is None:
+        model, opt, loader = accelerator.prepare(model, inner, loader)
+    else:
+        model, opt, loader = zacc.prepare(accelerator, model, inner, loader, stage=stage, bucket_size_mb=0.01,
+                                          **zero_config)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    if state_in is not None:
+        accelerator.load_state(state_in)  # the helper's hook loads the model and optimizer
+        loader = accelerator.skip_first_batches(loader, 2 * (STEPS - len(steps)))
+    losses, norms, done = [], [], 0
+    for batch in loader:
+        if done == len(steps):
+            break
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
             if accelerator.sync_gradients:
-                done += 1
-                if state_out is not None and done == 2:
-                    accelerator.save_state(state_out)
-        return {"losses": losses, "norms": norms, "wrapped": type(model).__name__}
+                norm = (accelerator.clip_grad_norm_(model.parameters(), 0.5) if stage is None
+                        else opt.clip_grad_norm_(0.5))
+                norms.append(float(norm))
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        if accelerator.sync_gradients:
+            done += 1
+            if state_out is not None and done == 2:
+                accelerator.save_state(state_out)
+    return {"losses": losses, "norms": norms, "wrapped": type(model).__name__}
 
-    out = {"ddp": run(None)}
+
+def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
+    """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at stages 0-3; then
+    save_state / load_state through the helper's hooks."""
+    torchrun_env(rank, world_size)
+    out = {"ddp": _accelerate_run(None)}
     for stage in (0, 1, 2, 3):
-        out[f"stage{stage}"] = run(stage)
-    out["saving"] = run(2, state_out=f"{root}/accel")
-    out["resumed"] = run(3, steps=range(2, STEPS), state_in=f"{root}/accel")
+        out[f"stage{stage}"] = _accelerate_run(stage)
+    out["saving"] = _accelerate_run(2, state_out=f"{root}/accel")
+    out["resumed"] = _accelerate_run(3, steps=range(2, STEPS), state_in=f"{root}/accel")
     return out
+
+
+def hierarchical_runs(rank: int, world_size: int, root: str) -> dict:
+    """4 ranks as 2 groups of 2 (``communication={"shard_size": 2}``, stage 3): the DDP Trainer and ZeroTrainer,
+    whose model is then exported (rank 0, heard by every group); the Accelerate loop with DDP and with the helper."""
+    torchrun_env(rank, world_size)
+    from transformers import Trainer
+
+    from zero import ZeroConfig
+    from zero.integrations.transformers import ZeroTrainer
+
+    def args(out: str):
+        return training_args(out, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+
+    base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
+    base.train()
+    trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/hsdp"), train_dataset=Tokens(),
+                          zero_config=ZeroConfig(stage=3, communication={"shard_size": 2}))
+    trainer.train()
+    trainer.save_model(f"{root}/final")
+    with trainer.zero_optimizer.gathered_parameters():
+        gathered = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return {"trainer_ddp": logs(base), "trainer": logs(trainer), "gathered": gathered,
+            "shard_group": dist.get_process_group_ranks(trainer.zero_optimizer.comm.group),
+            "accelerate_ddp": _accelerate_run(None),
+            "accelerate": _accelerate_run(3, communication={"shard_size": 2})}
