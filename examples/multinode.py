@@ -72,5 +72,5 @@ if args.check and rank == 0:
     report["reference_gap"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 print(json.dumps(report), flush=True)
 opt.close()
-dist.barrier()  # no rank tears the group down while another still finishes its last collective
+dist.barrier()  # (rank 0 checked alone: no rank tears its groups down while another still uses them)
 dist.destroy_process_group()

@@ -164,5 +164,4 @@ if args.sample:  # every rank runs the same generation (stage 3 gathers each blo
     say("sample:\n" + "".join(chars[i] for i in idx[0].tolist()))
 
 opt.close()
-dist.barrier()  # no rank tears the group down while another still finishes its last collective
 dist.destroy_process_group()

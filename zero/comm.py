@@ -354,10 +354,6 @@ class Communicator:
         rows = gathered.cpu().view(self.world_size, longest)
         return [bytes(rows[r, : int(sizes[r])].numpy()) for r in range(self.world_size)]
 
-    def barrier(self, what: str = "barrier") -> None:
-        """Wait until every rank of the group is here (with this communicator's timeout)."""
-        self.all_gather_json(None, what=what)
-
     def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False, every_group: bool = False) -> Any:
         """Run ``fn`` on this rank, then hear every rank's outcome (one :meth:`all_gather_json`): an error on any
         rank is raised on all of them, with that rank's message, instead of leaving the others waiting in their

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.report import CPU_RANKS, check_host_memory, launch_ranks
 from zero.cli.types import real_number, real_number_range, whole_number, whole_number_range
-from zero.comm import Communicator
 from zero.memory import zero_model_state_bytes
 from zero.models import GPT, local_slice, synthetic_batch
 from zero.optimizer import ZeroOptimizer
@@ -80,7 +79,6 @@ def _run_rank(args: argparse.Namespace) -> int:
     say(_memory_report(memory, numel, world))
     say(f"\nProfiling 2 steps at stage {args.stages[-1]} (zero.profile) ...", flush=True)
     say("\n" + _profile(args.stages[-1], cfg, batch, args, rank, world))
-    Communicator().barrier("barrier before leaving the process group")
     dist.destroy_process_group()
     return 0
 

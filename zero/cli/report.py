@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import whole_number, whole_number_range
-from zero.comm import Communicator
 from zero.estimator import sources
 from zero.estimator.estimator import Estimate, estimate
 from zero.memory import CATEGORIES
@@ -83,9 +82,7 @@ def main(args: argparse.Namespace) -> int:
         return launch_ranks(args, "report")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        code = _run_rank(args)
-        Communicator().barrier("barrier before leaving the process group")
-        return code
+        return _run_rank(args)
     finally:
         dist.destroy_process_group()
 
