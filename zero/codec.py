@@ -222,24 +222,21 @@ class QuantizedGradients(BlockQuantized):
         return Works([work], decode)
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
-        """qgZ's reduction, then its result shared as int8 too: rank ``r`` sums chunk ``r`` as
-        :meth:`reduce_scatter` does, quantizes the sum, and every rank (``r`` included) decodes every chunk's
-        packet, so that every rank holds the same values. Bound: the reduce-scatter's, plus one quantization of the
-        sum (``quantization.error_bound`` of it)."""
-        world, rank, n = transport.world_size, transport.rank, tensor.numel()
+        """qgZ's reduction, then its result shared as int8 too: rank ``r`` sums chunk ``r`` (:meth:`reduce_scatter`
+        of the tensor padded to ``world_size`` chunks), quantizes the sum, and every rank (``r`` included) decodes
+        every chunk's packet, so that every rank holds the same values. Bound: the reduce-scatter's, plus one
+        quantization of the sum (``quantization.error_bound`` of it)."""
+        world, n = transport.world_size, tensor.numel()
         chunk = -(-n // world)
-        size = quantization.packet_bytes(chunk, self.block)
         padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
         padded[:n] = tensor
-        send = torch.empty(world, size, dtype=torch.uint8, device=tensor.device)
-        quantization.encode(padded.view(world, chunk), self.block, send)
-        own = padded.narrow(0, rank * chunk, chunk)
-        received = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
-        work = transport.all_to_all(received, send.view(-1))
+        summed = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
+        reduced = self.reduce_scatter(summed, padded, transport)
+        size = quantization.packet_bytes(chunk, self.block)
 
         def share_sum() -> Work:
             mine = torch.empty(1, size, dtype=torch.uint8, device=tensor.device)
-            quantization.encode(self._summed(received, own, rank, world).view(1, chunk), self.block, mine)
+            quantization.encode(summed.view(1, chunk), self.block, mine)
             gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
 
             def decode() -> None:
@@ -248,7 +245,7 @@ class QuantizedGradients(BlockQuantized):
 
             return Works([transport.all_gather(gathered, mine.view(-1))], decode)
 
-        return Works([work], share_sum)
+        return Works([reduced], share_sum)
 
 
 class PerCollective(Codec):
