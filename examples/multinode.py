@@ -14,6 +14,7 @@ with ``--check`` rank 0 also trains the same model in one process and prints the
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,10 @@ report = {
 if args.check and rank == 0:
     reference, _ = train(0, 1, None)
     report["reference_gap"] = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-print(json.dumps(report), flush=True)
+# One write per line: the ranks of a machine share its stdout, and print() writes the text and its newline
+# separately when Python is unbuffered (PYTHONUNBUFFERED), so two ranks' lines could run together.
+sys.stdout.write(json.dumps(report) + "\n")
+sys.stdout.flush()
 opt.close()
 dist.barrier()  # (rank 0 checked alone: no rank tears its groups down while another still uses them)
 dist.destroy_process_group()
