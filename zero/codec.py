@@ -63,11 +63,15 @@ class Works:
     """Several works waited on as one; ``then`` runs once they have completed (a codec decodes there).
 
     ``then`` may return another work (a codec's second phase, see the module's contract), waited for too.
+    ``holds``: buffers the collectives read, kept until the works are waited for, as NCCL's works keep their inputs
+    (so a codec holds the same memory on every backend, the memory the estimator prices).
     """
 
-    def __init__(self, works: list[Work], then: Callable[[], Work | None] | None = None):
+    def __init__(self, works: list[Work], then: Callable[[], Work | None] | None = None,
+                 holds: tuple[torch.Tensor, ...] = ()):
         self.works = works
         self.then = then
+        self.holds = holds
 
     def wait(self, timeout: datetime.timedelta) -> None:
         for work in self.works:
@@ -155,14 +159,20 @@ class BlockQuantized(IdentityCodec):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block={self.block})"
 
-    def _summed(self, received: torch.Tensor, own: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        """The fp32 sum, in rank order, of the ``world`` packets ``received`` (of chunks the size of ``own``), with
-        this rank's own chunk ``own`` (exact) in place of its packet."""
-        n = own.numel()
-        values = quantization.decode(received.view(world, -1), n, self.block)
-        total = torch.zeros(n, dtype=torch.float32, device=own.device)
-        for r in range(world):
-            total += own if r == rank else values[r]
+    def _sum_into(self, output: torch.Tensor, received: torch.Tensor, own: torch.Tensor, rank: int) -> None:
+        """``output`` (``n`` elements, any dtype) := the fp32 sum, in rank order, of the packets ``received`` (one per
+        rank, of chunks of ``n``), with this rank's chunk ``own`` (exact; ``output`` may alias it) in place of its
+        packet. A slice at a time (:func:`zero.quantization.slices`): the scratch stays small."""
+        n = output.numel()
+        packets = received.view(-1, quantization.packet_bytes(n, self.block))
+        for start, stop in quantization.slices(n, self.block):  # (no slice outlives its iteration)
+            output[start:stop].copy_(self._slice_sum(packets, own, rank, n, start, stop))
+
+    def _slice_sum(self, packets: torch.Tensor, own: torch.Tensor, rank: int, n: int, start: int,
+                   stop: int) -> torch.Tensor:
+        total = torch.zeros(stop - start, dtype=torch.float32, device=own.device)
+        for r, packet in enumerate(packets):
+            total += own[start:stop] if r == rank else quantization.decode(packet, n, self.block, start, stop)
         return total
 
 
@@ -189,12 +199,11 @@ class QuantizedWeights(BlockQuantized):
         work = transport.all_gather(received, send.view(-1))
 
         def decode() -> None:
-            values = quantization.decode(received.view(world, size), n, self.block)
-            for r in range(world):
-                if r != rank:
-                    output.narrow(0, r * n, n).copy_(values[r])
+            for r, packet in enumerate(received.view(world, size)):
+                for start, stop in quantization.slices(n, self.block) if r != rank else ():
+                    output[r * n + start : r * n + stop].copy_(quantization.decode(packet, n, self.block, start, stop))
 
-        return Works([work], decode)
+        return Works([work], decode, holds=(send,))
 
 
 class QuantizedGradients(BlockQuantized):
@@ -212,14 +221,13 @@ class QuantizedGradients(BlockQuantized):
         size = quantization.packet_bytes(n, self.block)
         send = torch.empty(world, size, dtype=torch.uint8, device=input.device)
         quantization.encode(input.view(world, n), self.block, send)
-        own = input.narrow(0, rank * n, n).to(torch.float32, copy=True)  # output may alias it
         received = torch.empty(world * size, dtype=torch.uint8, device=input.device)
         work = transport.all_to_all(received, send.view(-1))
 
-        def decode() -> None:
-            output.copy_(self._summed(received, own, rank, world))
+        def decode() -> None:  # (input stays as it is until the work is waited for, as every collective's)
+            self._sum_into(output, received, input.narrow(0, rank * n, n), rank)
 
-        return Works([work], decode)
+        return Works([work], decode, holds=(send,))
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
         """qgZ's reduction, then its result shared as int8 too: rank ``r`` sums chunk ``r`` (:meth:`reduce_scatter`
@@ -240,10 +248,12 @@ class QuantizedGradients(BlockQuantized):
             gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
 
             def decode() -> None:
-                sums = quantization.decode(gathered.view(world, size), chunk, self.block).reshape(-1)
-                tensor.copy_(sums[:n])
+                for r, packet in enumerate(gathered.view(world, size)):
+                    for start, stop in quantization.slices(min(chunk, n - r * chunk), self.block):
+                        part = tensor[r * chunk + start : r * chunk + stop]
+                        part.copy_(quantization.decode(packet, chunk, self.block, start, stop))
 
-            return Works([transport.all_gather(gathered, mine.view(-1))], decode)
+            return Works([transport.all_gather(gathered, mine.view(-1))], decode, holds=(mine,))
 
         return Works([reduced], share_sum)
 

@@ -6,7 +6,9 @@ so an element decodes to ``s * q``. One chunk's *packet* is its values then its 
 
     [ blocks * block int8 values | padding to 4 bytes | blocks fp32 scales ]
 
-so that chunks from several ranks sit back to back in one buffer and move in one collective.
+so that chunks from several ranks sit back to back in one buffer and move in one collective. Encoding and decoding
+work through a slice of blocks at a time (:data:`SLICE` elements), so their fp32 scratch is about 1 MiB at most whatever
+the size of the tensor (``scratch_bytes``; a whole bucket's, in fp32, would be four times its int8 packets).
 
 Bound: rounding to the nearest step of ``s`` errs by at most ``s / 2 = max|x| / 254``; the fp32 arithmetic of the
 division and of ``s * q`` adds at most a few units in the last place of ``max|x|`` (:func:`error_bound` allows
@@ -18,9 +20,12 @@ loss scaler's check.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 LEVELS = 127  # int8, symmetric: -127..127
+SLICE = 2**18  # elements encoded or decoded at a time: 1 MiB of fp32 scratch, whatever the tensor
 ROUNDING = 2.0**-21  # fp32 arithmetic in encoding and decoding, relative to the block's absmax (see the docstring)
 
 
@@ -37,32 +42,63 @@ def packet_bytes(n: int, block: int) -> int:
     return _values_bytes(n, block) + 4 * num_blocks(n, block)
 
 
+def _spans(rows: int, blocks: int, block: int) -> Iterator[tuple[int, int]]:
+    """Ranges of blocks, each at most about :data:`SLICE` elements over ``rows`` rows (at least one block)."""
+    step = max(1, SLICE // (rows * block))
+    return ((b, min(blocks, b + step)) for b in range(0, blocks, step))
+
+
 def encode(chunks: torch.Tensor, block: int, out: torch.Tensor) -> None:
     """Quantize each row of ``chunks`` (``rows x n``, any floating dtype) into its packet, the same row of ``out``
-    (``rows x packet_bytes(n, block)``, ``uint8``)."""
+    (``rows x packet_bytes(n, block)``, ``uint8``). A slice of blocks at a time: the fp32 scratch stays under about
+    :data:`SLICE` elements (``scratch_bytes``), whatever the size."""
     rows, n = chunks.shape
     blocks = num_blocks(n, block)
-    if n % block:
-        padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=chunks.device)
-        padded[:, :n] = chunks
+    values = out[:, : blocks * block].view(torch.int8)
+    scales = out[:, _values_bytes(n, block):].view(torch.float32)
+    for first, last in _spans(rows, blocks, block):  # (a function per slice: no slice outlives its iteration)
+        _encode_blocks(chunks, block, first, last, values[:, first * block : last * block], scales[:, first:last])
+
+
+def _encode_blocks(chunks: torch.Tensor, block: int, first: int, last: int, values: torch.Tensor,
+                   scales: torch.Tensor) -> None:
+    """Blocks ``first:last`` of every row of ``chunks`` into their ``values`` (int8) and ``scales`` (fp32)."""
+    rows, n = chunks.shape
+    start, stop = first * block, min(n, last * block)
+    if stop - start < (last - first) * block:  # the last block, padded with zeros
+        piece = torch.zeros(rows, (last - first) * block, dtype=torch.float32, device=chunks.device)
+        piece[:, : stop - start] = chunks[:, start:stop]
     else:
-        padded = chunks.to(torch.float32, copy=True)  # (scratch: scaled and rounded in place below)
-    padded = padded.view(rows, blocks, block)
-    scales = padded.abs().amax(dim=2) / LEVELS  # rows x blocks: absmax / 127
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales)  # an all-zero block: q = 0, any scale
-    padded.div_(safe.unsqueeze(2)).round_().clamp_(-LEVELS, LEVELS)
-    out[:, : blocks * block].view(torch.int8).unflatten(1, (blocks, block)).copy_(padded)  # (integers: exact)
-    out[:, _values_bytes(n, block):].view(torch.float32).copy_(scales)
+        piece = chunks[:, start:stop].to(torch.float32, copy=True)  # (scaled and rounded in place below)
+    piece = piece.view(rows, last - first, block)
+    low, high = torch.aminmax(piece, dim=2)
+    scale = torch.maximum(high, low.neg()).div_(LEVELS)  # rows x blocks: absmax / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero block: q = 0, any scale
+    piece.div_(safe.unsqueeze(2)).round_().clamp_(-LEVELS, LEVELS)
+    values.unflatten(1, (last - first, block)).copy_(piece)  # (integers: exact)
+    scales.copy_(scale)
 
 
-def decode(packets: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """The fp32 values (``rows x n``) of the packets (``rows x packet_bytes(n, block)``, ``uint8``)."""
-    rows = packets.shape[0]
+def slices(n: int, block: int) -> Iterator[tuple[int, int]]:
+    """A chunk of ``n`` elements as ranges ``(start, stop)`` of whole blocks, each at most about :data:`SLICE`
+    elements: what :func:`decode` takes at a time."""
+    return ((first * block, min(n, last * block)) for first, last in _spans(1, num_blocks(n, block), block))
+
+
+def decode(packet: torch.Tensor, n: int, block: int, start: int, stop: int) -> torch.Tensor:
+    """The fp32 values of elements ``start:stop`` (a range of :func:`slices`) of one packet (``packet_bytes(n,
+    block)`` bytes, ``uint8``)."""
+    first, last = start // block, num_blocks(stop, block)
+    scales = packet[_values_bytes(n, block):].view(torch.float32)[first:last].unsqueeze(1)
+    values = packet[first * block : last * block].view(torch.int8).to(torch.float32).view(last - first, block)
+    values.mul_(scales).masked_fill_(~scales.isfinite(), float("nan"))
+    return values.view(-1)[: stop - start]
+
+
+def scratch_bytes(rows: int, n: int, block: int) -> int:
+    """The largest fp32 slice :func:`encode` holds for ``rows x n`` (what the estimator prices)."""
     blocks = num_blocks(n, block)
-    decoded = packets[:, : blocks * block].view(torch.int8).reshape(rows, blocks, block).to(torch.float32)
-    scales = packets[:, _values_bytes(n, block):].view(torch.float32)
-    decoded.mul_(scales.unsqueeze(2)).masked_fill_(~scales.isfinite().unsqueeze(2), float("nan"))
-    return decoded.view(rows, blocks * block)[:, :n]
+    return 4 * rows * block * min(blocks, max(1, SLICE // (rows * block)))
 
 
 def error_bound(x: torch.Tensor, block: int) -> torch.Tensor:

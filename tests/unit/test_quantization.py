@@ -15,10 +15,30 @@ from zero import quantization
 from zero.communication import Communication
 
 
+def _encoded(chunks: torch.Tensor, block: int) -> torch.Tensor:
+    packets = torch.empty(chunks.shape[0], quantization.packet_bytes(chunks.shape[1], block), dtype=torch.uint8)
+    quantization.encode(chunks, block, packets)
+    return packets
+
+
+def _decoded(packet: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    return torch.cat([quantization.decode(packet, n, block, a, b) for a, b in quantization.slices(n, block)])
+
+
 def _roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
-    packet = torch.empty(1, quantization.packet_bytes(x.numel(), block), dtype=torch.uint8)
-    quantization.encode(x.view(1, -1), block, packet)
-    return quantization.decode(packet, x.numel(), block)[0]
+    return _decoded(_encoded(x.view(1, -1), block)[0], x.numel(), block)
+
+
+def _whole_packet(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The packet of ``x`` (1D) computed in one go: the format's definition, without slices."""
+    blocks = quantization.num_blocks(x.numel(), block)
+    padded = torch.zeros(blocks * block, dtype=torch.float32)
+    padded[: x.numel()] = x
+    scales = padded.view(blocks, block).abs().amax(dim=1) / quantization.LEVELS
+    q = (padded.view(blocks, block) / torch.where(scales == 0, 1.0, scales).unsqueeze(1)).round().clamp(-127, 127)
+    values = q.to(torch.int8).view(torch.uint8).reshape(-1)
+    pad = torch.zeros(-len(values) % 4, dtype=torch.uint8)
+    return torch.cat([values, pad, scales.view(torch.uint8)])
 
 
 @pytest.mark.parametrize("n,block,expected", [(256, 256, 256 + 4), (257, 256, 512 + 8), (7, 4, 8 + 8),
@@ -68,6 +88,25 @@ def test_a_non_finite_value_makes_its_whole_block_nan_and_no_other(bad):
     decoded = _roundtrip(x, 16)
     assert decoded[16:32].isnan().all()  # an overflow is never decoded into finite numbers
     assert decoded[:16].isfinite().all() and decoded[32:].isfinite().all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 3), n=st.integers(1, 300), block=st.sampled_from([4, 16, 64]),
+       slice_=st.sampled_from([1, 20, 64, 2**18]), seed=st.integers(0, 2**16), bad=st.booleans())
+def test_slices_change_nothing_the_packets_are_the_whole_tensors(rows, n, block, slice_, seed, bad):
+    """Encoding and decoding a slice of blocks at a time (``SLICE`` elements, here down to one block) gives the
+    packets and the values of the whole tensor computed in one go, bit for bit, row by row."""
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * 3
+    if bad:
+        x[-1, n // 2] = math.inf
+    whole = [_whole_packet(row, block) for row in x]
+    expected = [_decoded(packet, n, block) for packet in whole]  # (SLICE is 2**18: one slice here)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantization, "SLICE", slice_)
+        packets = _encoded(x, block)
+        for r in range(rows):
+            assert torch.equal(packets[r], whole[r])
+            assert torch.equal(_decoded(packets[r], n, block).nan_to_num(7.0), expected[r].nan_to_num(7.0))
 
 
 def test_the_policy_checks_its_group_size(monkeypatch):
