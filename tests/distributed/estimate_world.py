@@ -19,6 +19,7 @@ from torch import nn
 import zero
 from tests.distributed.harness import init_fake_world
 from zero.estimator import Workload, estimate
+from zero.estimator.traffic import stages_for, validated
 from zero.models import GPT, GPTConfig
 
 MICRO_BATCHES = (2, 4)
@@ -84,18 +85,32 @@ MODELS = {
     "hf-llama": (_llama, _hf_loss, _tokens),
     "hf-gpt2-frozen": (_gpt2_first_block_frozen, _hf_loss, _tokens),
     "hf-gpt2-lora": (_gpt2_lora, _hf_loss, _tokens),
+    # wide and short: the parameters, not the activations, make the peak (where the codecs' packets show)
+    "gpt-wide": (lambda: GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=256, num_layers=4, num_heads=4)),
+                 lambda m, x: m.loss(x, x), lambda micro: (torch.randint(0, 64, (micro, 8)),)),
     "cnn": (SmallCNN, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
             lambda micro: (torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,)))),
 }
 
 
-PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora")  # at the first micro-batch only
+PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora", "gpt-wide")  # at the first micro-batch only
 
 # variants priced on the project's GPT at the first micro-batch, besides fp32 (estimate()'s keyword arguments):
 # both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync() (also
 # under mixed precision with an fp32 reduction, where it accumulates in fp32)
 VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkpointing": True}, {"no_sync": True},
             {"precision": "mixed-fp32-reduce", "no_sync": True})  # (bf16 micro-batches accumulate in fp32)
+# ZeRO++'s quantized collectives (ZeroConfig.communication), priced on the wide GPT at the stages they run at
+COMMUNICATION = ({"quantized_gradients": True}, {"quantized_weights": True},
+                 {"quantized_weights": True, "quantized_gradients": True})
+# ... and with hierarchy, in a world of 4 (two groups of 2), the only runs there: HSDP with qgZ (its sum across the
+# groups is qgZ's all-reduce, which a bucket starts when the next one launches: buckets of 4 MB, several), and hpZ
+# with both
+HIERARCHICAL_WORLD = 4
+HIERARCHICAL = ({"communication": {"shard_size": 2, "quantized_gradients": True}},
+                {"communication": {"shard_size": 2, "quantized_gradients": True}, "bucket_size_mb": 4},
+                {"communication": {"shard_size": 2, "hierarchy": "hpz", "quantized_weights": True,
+                                   "quantized_gradients": True}})
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
             "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
@@ -123,13 +138,15 @@ def estimated(e) -> dict:
 
 
 def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", checkpointing: bool = False,
-            no_sync: bool = False, every_op: bool = False) -> dict:
+            no_sync: bool = False, communication: dict | None = None, bucket_size_mb: float = 25,
+            every_op: bool = False) -> dict:
     gc.collect()
     torch.manual_seed(0)
     model = build()
     extra = {"activation_checkpointing": {}} if checkpointing else {}
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage,
-                             precision=POLICIES[precision], **extra)
+                             precision=POLICIES[precision], communication=communication or {},
+                             bucket_size_mb=bucket_size_mb, **extra)
     with zero.profile(model, opt, every_op=every_op) as prof:
         for _ in range(2):
             if no_sync:  # a micro-batch accumulated locally first, as the Trainer does
@@ -144,12 +161,20 @@ def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", check
     return result
 
 
+def stages(variant: dict) -> tuple[int, ...]:
+    """The stages a variant runs at (ZeroConfig's rules: quantized weights at stage 3, gradients at 1-3)."""
+    return stages_for(validated(variant.get("communication")), STAGES)
+
+
 def main(world_size: int, only: str = "") -> None:
     init_fake_world(world_size)
     out = {}
     runs = [(name, micro, {}) for name in MODELS for micro in MICRO_BATCHES if name not in PARTIAL]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL]
     runs += [("gpt", MICRO_BATCHES[0], variant) for variant in VARIANTS]
+    runs += [("gpt-wide", MICRO_BATCHES[0], {"communication": policy}) for policy in COMMUNICATION]
+    if world_size == HIERARCHICAL_WORLD:
+        runs = [("gpt-wide", MICRO_BATCHES[0], variant) for variant in HIERARCHICAL]
     workloads = {name: Workload(*MODELS[name]) for name in MODELS}
     for name, micro, variant in runs:
         if only not in key(name, 0, micro, variant):  # (a filter, to look at one case)
@@ -157,12 +182,12 @@ def main(world_size: int, only: str = "") -> None:
         build, loss_fn, make_batch = MODELS[name]
         torch.manual_seed(micro)
         batch = make_batch(micro)
-        for stage in STAGES:
+        for stage in stages(variant):
             run = measure(build, loss_fn, batch, stage, **variant)
             e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, **variant)
             out[key(name, stage, micro, variant)] = {**run, **estimated(e)}
     # sampled after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)
-    for stage in STAGES if not only else ():
+    for stage in STAGES if not only and world_size != HIERARCHICAL_WORLD else ():
         build, loss_fn, make_batch = MODELS["gpt"]
         run = measure(build, loss_fn, make_batch(MICRO_BATCHES[-1]), stage, every_op=True)
         e = estimate(workloads["gpt"], stage=stage, world_size=world_size, micro_batch=MICRO_BATCHES[-1])

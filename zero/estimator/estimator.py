@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero.activations import MATMULS
+from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
 from zero.estimator.schedule import Options, replay
 from zero.estimator.traffic import (
@@ -290,7 +291,7 @@ def estimate(
         workload.timeline(micro_batch, precision, checkpointing),
         layout,
         workload.step(layout, precision),
-        Options(choice, max_in_flight_buckets, prefetch_units, no_sync),
+        Options(choice, max_in_flight_buckets, prefetch_units, no_sync, CodecMemory.of(policy, group, world_size)),
     )
     return Estimate(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=choice.offloaded,

@@ -6,17 +6,14 @@ and autograd's gradients (every ``p.grad`` starting as ``None``). This module ad
 the optimizer itself would build (``zero.runtime.partition.build_partition`` on the fake model):
 
 * parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point,
-  replayed as ``zero.runtime.gatherer`` does it (gather before a unit's forward and when backward reaches
-  it, prefetch the next unit in the previous pass's order, release a unit when the next one starts,
-  when its backward is over (its inputs' gradients computed and its parameters' gradients arrived)
-  and at the end of backward, keep the root until the step), counting each unit's gathers and, of those, the ones
-  backward issues while the unit's copy is current (gathered since every unit was last released: hpZ's gathers
-  from its secondary copies, ``zero.runtime.secondary``);
+  replayed as ``zero.runtime.gatherer`` does it (:mod:`zero.estimator.gathering`);
 * gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
   is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
   at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
   dropped; at most ``max_in_flight_buckets`` reductions are outstanding, and completing one keeps its
   ``1/N`` chunk as the gradient shard;
+* what quantized collectives hold besides (``communication``): their packets while in flight, and the slices they
+  encode and decode through (:mod:`zero.estimator.codec_memory`);
 * optimizer state, master weights and the step's own temporaries, from a traced step of the wrapped
   optimizer on one bucket's chunk (``StepTrace``), and after the step of every bucket;
 
@@ -29,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from zero.estimator.codec_memory import CodecMemory
+from zero.estimator.gathering import gathering as replay_gathering
 from zero.estimator.offloading import OffBytes, OffloadChoice, window
 from zero.estimator.timeline import Point, Timeline
 from zero.estimator.traffic import Wire
@@ -88,6 +87,7 @@ class Options:
     max_in_flight: int = 2
     prefetch: int = 1
     no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
+    codec: CodecMemory = CodecMemory()  # what the communication policy's collectives hold besides
 
 
 @dataclass
@@ -112,7 +112,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm
 
 @dataclass
 class _Reduction:
-    """Stages 2-3 (and staged reductions): autograd's gradients, buckets launched, shards kept."""
+    """Stages 2-3 and staged reductions: autograd's gradients, buckets launched, shards kept. Unstaged (stages 0-1
+    reducing their persistent buckets) only what a quantizing codec holds while the buckets are reduced."""
 
     layout: Layout
     options: Options
@@ -120,14 +121,24 @@ class _Reduction:
     arrived: set[str] = field(default_factory=set)
     released: int = 0  # bytes of autograd gradients copied into staging and dropped
     shards: int = 0  # gradient shards kept on the device
+    packets: dict[int, int] = field(default_factory=dict)  # id(bucket) -> what its codec holds while it is in flight
+    across: set[int] = field(default_factory=set)  # id(bucket): HSDP's sum across the groups started (advanced)
+    transient: int = 0  # a reduction encoding or decoding: the slice it works through
     order: ReductionOrder[BucketBytes] = field(init=False)  # the reducer's own order (zero.runtime.reduction_order)
 
     def __post_init__(self) -> None:
         self.order = ReductionOrder([b for b in self.layout.buckets if b.params], self.options.max_in_flight)
 
     @property
-    def staging(self) -> int:
-        return sum(b.staging for b, _ in self.order.in_flight)
+    def held(self) -> int:
+        """The staging buffers of the reductions in flight, and what their codec holds."""
+        staging = self.layout.staged
+        return sum(b.staging * staging + self.packets.get(id(b), 0) for b, _ in self.order.in_flight) + self.transient
+
+    def _at(self, transient: int, on_peak: Callable[[], None]) -> None:
+        self.transient = transient
+        on_peak()
+        self.transient = 0
 
     def arrive(self, name: str) -> None:
         self.arrived.add(name)
@@ -147,116 +158,46 @@ class _Reduction:
     def _launch(self, bucket: BucketBytes, on_peak: Callable[[], None]) -> None:
         if self.order.full:
             self._complete(on_peak)
+        for launched, _ in self.order.in_flight:  # (hierarchical sharding: their sums across the groups start)
+            self._advance(launched, on_peak)
         self.order.launched(bucket)
         on_peak()  # staging allocated and filled while the bucket's gradients still exist
         if self.layout.stage >= 2:
             self.released += sum(self.grad_bytes.get(p, 0) for p in bucket.params)
+        packets = self.options.codec.reducing(bucket.wire)
+        if packets:  # quantized: the packets to send, encoded through a slice, then those received too
+            self.packets[id(bucket)], slice_ = self.options.codec.sending(bucket.wire)
+            self._at(slice_, on_peak)
+            self.packets[id(bucket)] = packets
+
+    def _advance(self, bucket: BucketBytes, on_peak: Callable[[], None]) -> None:
+        """HSDP: the reduction inside the group is waited for (decoded while its packets are held, which go with
+        the wait) and the sum across the groups starts (``zero.comm_handles.Chain.advance``)."""
+        if self.options.codec.replicas == 1 or id(bucket) in self.across:  # (flat: nothing to advance)
+            return
+        if id(bucket) in self.packets:  # (decoded while its packets are held; they go with the wait)
+            self._at(self.options.codec.reduce_decode(bucket.wire), on_peak)
+            del self.packets[id(bucket)]
+        encoding, slice_, held, _ = self.options.codec.across(bucket.wire)
+        if held:
+            self.packets[id(bucket)] = encoding
+            self._at(slice_, on_peak)
+            self.packets[id(bucket)] = held
+            self.across.add(id(bucket))
 
     def _complete(self, on_peak: Callable[[], None]) -> None:
         bucket, _ = self.order.oldest()
-        if not self.options.offload.offloaded:
+        self._advance(bucket, on_peak)
+        if id(bucket) in self.across:  # the sum across the groups waited for
+            self._at(self.options.codec.across(bucket.wire)[3], on_peak)
+            self.across.discard(id(bucket))
+        elif id(bucket) in self.packets:  # decoded while its packets are held; they go with the wait
+            self._at(self.options.codec.reduce_decode(bucket.wire), on_peak)
+        self.packets.pop(id(bucket), None)
+        if self.layout.staged and not self.options.offload.offloaded:
             self.shards += bucket.grad_shard
             on_peak()  # the chunk is kept (a new shard) before the staging buffer goes
         self.order.completed()
-
-
-@dataclass
-class _Gathering:
-    """Stage 3's gathered units, replayed from the trace's module events."""
-
-    unit_bytes: dict[str, int]
-    unit_params: dict[str, set[str]]
-    unit_of: dict[str, str]  # parameter -> its unit
-    forward_order: list[str]
-    backward_order: list[str]
-    prefetch: int
-    gathered: set[str] = field(default_factory=set)
-    prefetched: set[str] = field(default_factory=set)  # gathering, not yet waited for (the tracker's "communication")
-    finished: str | None = None
-    got: dict[str, int] = field(default_factory=dict)
-    pending: dict[str, int] = field(default_factory=dict)  # forward calls whose inputs' gradients are not computed
-    in_backward: set[str] = field(default_factory=set)
-    gathers: dict[str, int] = field(default_factory=dict)  # all-gathers issued, by unit (zero.estimator.traffic)
-    regathers: dict[str, int] = field(default_factory=dict)  # ... of which in backward, the unit's copy current
-    current: set[str] = field(default_factory=set)  # units gathered since every unit was last released
-    backward: bool = False  # the event being replayed runs inside autograd's backward
-
-    @property
-    def bytes(self) -> int:
-        """Gathered and waited for."""
-        return sum(self.unit_bytes[u] for u in self.gathered - self.prefetched)
-
-    @property
-    def in_flight(self) -> int:
-        return sum(self.unit_bytes[u] for u in self.prefetched)
-
-    def _gather(self, units: set[str]) -> None:
-        for unit in units - self.gathered:  # (a unit already gathered sends nothing)
-            self.gathers[unit] = self.gathers.get(unit, 0) + 1
-            if self.backward and unit in self.current:
-                self.regathers[unit] = self.regathers.get(unit, 0) + 1
-            self.current.add(unit)  # (a gather from the copies leaves the copy current)
-        self.gathered |= units
-
-    def _use(self, unit: str) -> None:
-        self._gather({unit})
-        self.prefetched.discard(unit)
-
-    def _prefetch(self, order: list[str], unit: str) -> None:
-        at = order.index(unit) + 1 if unit in order else len(order)
-        started = set(order[at : at + self.prefetch]) - self.gathered
-        self._gather(started)
-        self.prefetched |= started
-
-    def _release_finished(self, keep: str) -> None:
-        finished, self.finished = self.finished, None
-        if finished is not None and finished != keep and finished not in self.in_backward:
-            self.gathered.discard(finished)
-
-    def event(self, point: Point) -> None:
-        name = point.name
-        self.backward = point.phase == "backward"  # (the trace's phase is the runtime's test: a graph task runs)
-        if point.kind == "enter" and name in self.unit_bytes and point.phase == "forward":
-            self._release_finished(keep=name)
-            self._use(name)
-            self._prefetch(self.forward_order, name)
-        elif point.kind == "enter" and name in self.unit_bytes:  # recomputed in backward
-            self._use(name)
-        elif point.kind == "leave" and name in self.unit_bytes and point.phase == "forward" and name:
-            self._release_finished(keep=name)
-            self.finished = name
-        elif point.kind == "reach" and name in self.unit_bytes and name not in self.in_backward:
-            self.in_backward.add(name)
-            self._use(name)
-            self._prefetch(self.backward_order, name)
-        elif point.kind == "hooked" and name in self.unit_bytes:
-            self.pending[name] = self.pending.get(name, 0) + 1
-        elif point.kind == "done" and name in self.unit_bytes:
-            self.pending[name] = max(0, self.pending.get(name, 0) - 1)
-            self._release_if_done(name)
-        elif point.kind == "grad":
-            unit = self.unit_of.get(name)
-            if unit is None:  # (not a managed parameter)
-                return
-            self.got[unit] = self.got.get(unit, 0) + 1
-            self._release_if_done(unit)
-
-    def _release_if_done(self, unit: str) -> None:
-        done = self.pending.get(unit, 0) == 0 and self.got.get(unit, 0) >= len(self.unit_params[unit])
-        if done and unit in self.in_backward:
-            if unit:
-                self.gathered.discard(unit)
-            self.in_backward.discard(unit)
-
-    def end_backward(self) -> None:
-        self.gathered &= {""}
-        self.prefetched &= {""}
-        self.current.clear()  # (every unit released, the root kept: ParamGatherer.reshard_all forgets the copies)
-
-    def release_all(self) -> None:
-        self.gathered.clear()
-        self.prefetched.clear()
-        self.current.clear()
 
 
 def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options) -> Peak:
@@ -272,8 +213,9 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
                      else sum(b.whole for b in layout.buckets))
     params_static += layout.frozen + sum(b.secondary for b in layout.buckets)  # (hpZ's copies: always on the device)
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
-    reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged else None
-    gathering = _gathering(timeline, layout, options) if layout.stage == 3 else None
+    reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged or options.codec.gradients else None
+    gathering = (replay_gathering(timeline, layout.buckets, options.prefetch, options.codec) if layout.stage == 3
+                 else None)
     best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", off)
 
     def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
@@ -282,8 +224,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
             best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, off)
 
     def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
-        communication = (reduction.staging if reduction is not None else 0) + (
-            gathering.in_flight if gathering is not None else 0)
+        communication = (reduction.held if reduction is not None else 0) + (
+            gathering.in_flight + gathering.transient if gathering is not None else 0)
         parameters = base["parameters"] + (gathering.bytes if gathering is not None else 0)
         offer(dict(base, parameters=parameters, activations=point.activations, temporaries=point.temporaries,
                    gradients=gradients, communication=communication),
@@ -295,7 +237,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
 
     def grads_now(point: Point) -> float:
         fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0  # while it is added in
-        if reduction is None:  # persistent buckets
+        if not layout.staged:  # persistent buckets
             return layout.grad_buffer + fresh
         pending = accumulated - reduction.released  # accumulated gradients of buckets not launched yet
         if layout.stage < 2:
@@ -309,7 +251,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     previous = None
     for point in timeline.points:
         if gathering is not None:
-            gathering.event(point)
+            gathering.event(point, lambda: consider(point, gradients=grads_now(point), event="parameter gather"))
         if reduction is not None and point.kind == "grad":
             before = previous or point
             reduction.launch_ready(lambda: consider(before, gradients=grads_now(before), event="gradient reduction"))
@@ -356,23 +298,6 @@ def _widening(layout: Layout) -> float:
     trainable = [b for b in layout.buckets if b.params]
     ratio = sum(b.staging for b in trainable) / max(1, sum(b.whole for b in trainable)) if layout.staged else 0.0
     return ratio if ratio > 1 else 0.0
-
-
-def _gathering(timeline: Timeline, layout: Layout, options: Options) -> _Gathering:
-    unit_bytes: dict[str, int] = {}
-    unit_params: dict[str, set[str]] = {}
-    for b in layout.buckets:
-        unit = b.unit or ""
-        unit_bytes[unit] = unit_bytes.get(unit, 0) + b.whole
-        unit_params.setdefault(unit, set()).update(b.params)
-
-    def order(kind: str, phase: str) -> list[str]:  # the units in the order the trace first met them
-        return list(dict.fromkeys(p.name for p in timeline.points if p.kind == kind and p.phase == phase
-                                  and p.name in unit_bytes))
-
-    unit_of = {p: unit for unit, params in unit_params.items() for p in params}
-    return _Gathering(unit_bytes, unit_params, unit_of, order("enter", "forward"), order("reach", "backward"),
-                      options.prefetch)
 
 
 def _describe(point: Point) -> str:

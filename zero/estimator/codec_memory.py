@@ -1,0 +1,80 @@
+"""What the collective codecs (:mod:`zero.codec`) hold on the device beside the buffers they fill, per bucket, for
+the schedule (:mod:`zero.estimator.schedule`). With ``C`` one rank's chunk of a bucket, ``g`` the ranks it is
+sharded over and ``packet = zero.quantization.packet_bytes(C, block_size)``:
+
+* the identity codec (exact communication): nothing;
+* quantized weights (ZeRO++ qwZ), each all-gather of a bucket: its own packet and the group's (``(1 + g)
+  packets``) from its start until it is waited for; decoding holds one fp32 slice
+  (``zero.quantization.scratch_bytes``). hpZ's gathers from the secondary copies are exact: nothing;
+* quantized gradients (ZeRO++ qgZ), each reduction of a bucket: its ``g`` packets, while it encodes them (one fp32
+  slice of ``g`` rows), then also the ``g`` it receives until it is waited for; decoding holds two fp32 slices (the
+  sum and one decoded slice). With HSDP the shard's sum across the ``r`` groups (qgZ's all-reduce) holds a padded
+  fp32 copy of the shard, its chunk of the sum and the packets of its two phases: priced from the launch to the
+  wait, the longest it may live (an upper bound: it starts when the next bucket launches, or at the wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero.communication import Communication
+from zero.estimator.traffic import Wire
+from zero.quantization import packet_bytes, scratch_bytes
+
+
+@dataclass(frozen=True)
+class CodecMemory:
+    """The codecs of one ``communication`` policy: ``block`` elements per scale. A collective over a group of one
+    runs no codec (nothing is sent), so each flag means the codec runs: qwZ's and qgZ's over the shard group,
+    qgZ's sum across HSDP's ``replicas`` groups."""
+
+    block: int = 256
+    weights: bool = False  # qwZ's all-gathers
+    gradients: bool = False  # qgZ's reduce-scatters
+    replicas: int = 1  # > 1: qgZ's all-reduce across HSDP's groups
+
+    @classmethod
+    def of(cls, policy: Communication, group: int, world_size: int) -> "CodecMemory":
+        """The codecs of ``policy`` with the parameters sharded over ``group`` of ``world_size`` ranks."""
+        return cls(policy.block_size, policy.quantized_weights and group > 1,
+                   policy.quantized_gradients and group > 1,
+                   world_size // group if policy.quantized_gradients else 1)
+
+    def gathering(self, wire: Wire | None) -> int:
+        """Held while an all-gather of the bucket is in flight (its packets)."""
+        if not (self.weights and wire):
+            return 0
+        return (1 + wire.padded // wire.chunk) * packet_bytes(wire.chunk, self.block)
+
+    def gather_decode(self, wire: Wire | None) -> int:
+        """Held besides while the gathered packets are decoded."""
+        return scratch_bytes(1, wire.chunk, self.block) if self.weights and wire else 0
+
+    def sending(self, wire: Wire | None) -> tuple[int, int]:
+        """A reduction's packets to send and the fp32 slice it encodes them through (bytes)."""
+        if not (self.gradients and wire and wire.trainable):
+            return 0, 0
+        group = wire.padded // wire.chunk
+        return group * packet_bytes(wire.chunk, self.block), scratch_bytes(group, wire.chunk, self.block)
+
+    def reducing(self, wire: Wire | None) -> int:
+        """Held while a reduction of the bucket is in flight inside the group: the packets sent and received."""
+        return 2 * self.sending(wire)[0]
+
+    def reduce_decode(self, wire: Wire | None) -> int:
+        """Held besides while the received packets are decoded and summed."""
+        return 2 * scratch_bytes(1, wire.chunk, self.block) if self.gradients and wire and wire.trainable else 0
+
+    def across(self, wire: Wire | None) -> tuple[int, int, int, int]:
+        """HSDP's sum of the bucket's shard across the groups (qgZ's all-reduce, ``zero.codec``), from its start
+        (when the next bucket launches, or at the wait) to its wait: what it holds while it encodes its packets, the
+        slice it encodes them through, what it holds once they are sent, and what it holds besides at its wait
+        (decoding the sum, then encoding, sharing and decoding it). Zeros without it."""
+        if not (self.replicas > 1 and wire and wire.trainable):
+            return 0, 0, 0, 0
+        replicas, piece = self.replicas, -(-wire.chunk // self.replicas)
+        packet, slice_ = packet_bytes(piece, self.block), scratch_bytes(1, piece, self.block)
+        copies = 4 * (replicas + 1) * piece  # the padded fp32 shard and this rank's chunk of the sum
+        wait = max(2 * slice_, packet + slice_, (1 + replicas) * packet + slice_)
+        encoding = scratch_bytes(replicas, piece, self.block)
+        return copies + replicas * packet, encoding, copies + 2 * replicas * packet, wait
