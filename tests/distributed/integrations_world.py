@@ -155,7 +155,9 @@ def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
 
 def hierarchical_runs(rank: int, world_size: int, root: str) -> dict:
     """4 ranks as 2 groups of 2 (``communication={"shard_size": 2}``, stage 3): the DDP Trainer and ZeroTrainer,
-    whose model is then exported (rank 0, heard by every group); the Accelerate loop with DDP and with the helper."""
+    whose model is then exported (rank 0, heard by every group); the Accelerate loop with DDP and with the helper;
+    both again with ZeRO++'s hpZ (``hierarchy="hpz"``: shards over the 4 ranks, backward's gathers from the group's
+    secondary copies)."""
     torchrun_env(rank, world_size)
     from transformers import Trainer
 
@@ -173,7 +175,14 @@ def hierarchical_runs(rank: int, world_size: int, root: str) -> dict:
     trainer.save_model(f"{root}/final")
     with trainer.zero_optimizer.gathered_parameters():
         gathered = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    hpz = {"shard_size": 2, "hierarchy": "hpz"}
+    with_copies = ZeroTrainer(model=gpt2(), args=args(f"{root}/hpz"), train_dataset=Tokens(),
+                              zero_config=ZeroConfig(stage=3, communication=hpz))
+    with_copies.train()
     return {"trainer_ddp": logs(base), "trainer": logs(trainer), "gathered": gathered,
             "shard_group": dist.get_process_group_ranks(trainer.zero_optimizer.comm.group),
+            "trainer_hpz": logs(with_copies),
+            "hpz_gathers_inside": with_copies.zero_optimizer.comm_stats.get("intra_all_gather", {}).get("calls", 0),
             "accelerate_ddp": _accelerate_run(None),
-            "accelerate": _accelerate_run(3, communication={"shard_size": 2})}
+            "accelerate": _accelerate_run(3, communication={"shard_size": 2}),
+            "accelerate_hpz": _accelerate_run(3, communication=hpz)}

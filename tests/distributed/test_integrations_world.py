@@ -1,7 +1,7 @@
 """Hugging Face Trainer and Accelerate with ZeroOptimizer at stages 0-3 in a real 2-rank gloo world, against the
 same Trainer / Accelerate loop with DDP (``integrations_world``): GPT-2 from a config, AdamW with weight-decay
 groups, a linear or step LR schedule, clipping at 0.5 and 2 accumulation micro-batches per step. And both at
-stage 3 with hierarchical sharding, 4 ranks in 2 groups of 2, against DDP at 4 ranks.
+stage 3 with hierarchical sharding (HSDP and ZeRO++'s hpZ), 4 ranks in 2 groups of 2, against DDP at 4 ranks.
 
 Tolerances as in ``test_world.py``: losses 1e-5 relative, gradient norms 1e-6 relative (the same gradients,
 summed in another order).
@@ -82,18 +82,23 @@ def test_accelerate_save_state_and_load_state(accelerated):
 
 
 def test_trainer_and_accelerate_with_hierarchical_sharding_equal_ddp(hierarchical):
-    """4 ranks in 2 shard groups of 2 through the user's paths: the Trainer (with its export) and Accelerate."""
+    """4 ranks in 2 shard groups of 2 through the user's paths: the Trainer (with its export) and Accelerate, with
+    HSDP and with hpZ."""
     results, root = hierarchical
     assert [r["shard_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     runs = results[0]
     paths = [(runs["trainer"], runs["trainer_ddp"], STEPS),  # (the Trainer runs 2 epochs of 2 steps at 4 ranks,
-             (runs["accelerate"], runs["accelerate_ddp"], STEPS // 2)]  # the Accelerate loop one)
+             (runs["accelerate"], runs["accelerate_ddp"], STEPS // 2),  # the Accelerate loop one)
+             (runs["trainer_hpz"], runs["trainer_ddp"], STEPS),  # hpZ
+             (runs["accelerate_hpz"], runs["accelerate_ddp"], STEPS // 2)]
     for ours, ddp, steps in paths:
         losses, norms = ("loss", "grad_norm") if "loss" in ours else ("losses", "norms")
         assert len(ours[norms]) == steps and max(ours[norms]) > 0.5  # clipping at 0.5 was active
         assert ours[losses] == pytest.approx(ddp[losses], rel=LOSS_RTOL)
         assert ours[norms] == pytest.approx(ddp[norms], rel=NORM_RTOL)
-    assert all(r["trainer"] == runs["trainer"] and r["accelerate"] == runs["accelerate"] for r in results)
+    assert all(r[path] == runs[path] for r in results for path in ("trainer", "accelerate", "trainer_hpz",
+                                                                    "accelerate_hpz"))
+    assert runs["hpz_gathers_inside"] > 0  # hpZ's backward gathered from the group's copies
     loaded = transformers.GPT2LMHeadModel.from_pretrained(root / "final").state_dict()
     for name, value in runs["gathered"].items():
         assert torch.equal(loaded[name], value), name
