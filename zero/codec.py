@@ -151,20 +151,21 @@ class IdentityCodec(Codec):
 
 
 class BlockQuantized(IdentityCodec):
-    """A codec over :mod:`zero.quantization`'s int8 blocks of ``block`` elements (what the identity does otherwise)."""
+    """A codec over :mod:`zero.quantization`'s blocks of ``block`` elements, ``bits`` per value (8, or 4), what the
+    identity does otherwise."""
 
-    def __init__(self, block: int):
-        self.block = block
+    def __init__(self, block: int, bits: int = 8):
+        self.block, self.bits = block, bits
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block})"
+        return f"{type(self).__name__}(block={self.block}, bits={self.bits})"
 
     def _sum_into(self, output: torch.Tensor, received: torch.Tensor, own: torch.Tensor, rank: int) -> None:
         """``output`` (``n`` elements, any dtype) := the fp32 sum, in rank order, of the packets ``received`` (one per
         rank, of chunks of ``n``), with this rank's chunk ``own`` (exact; ``output`` may alias it) in place of its
         packet. A slice at a time (:func:`zero.quantization.slices`): the scratch stays small."""
         n = output.numel()
-        packets = received.view(-1, quantization.packet_bytes(n, self.block))
+        packets = received.view(-1, quantization.packet_bytes(n, self.block, self.bits))
         for start, stop in quantization.slices(n, self.block):  # (no slice outlives its iteration)
             output[start:stop].copy_(self._slice_sum(packets, own, rank, n, start, stop))
 
@@ -172,7 +173,8 @@ class BlockQuantized(IdentityCodec):
                    stop: int) -> torch.Tensor:
         total = torch.zeros(stop - start, dtype=torch.float32, device=own.device)
         for r, packet in enumerate(packets):
-            total += own[start:stop] if r == rank else quantization.decode(packet, n, self.block, start, stop)
+            total += own[start:stop] if r == rank else quantization.decode(packet, n, self.block, start, stop,
+                                                                           self.bits)
         return total
 
 
@@ -212,15 +214,18 @@ class QuantizedGradients(BlockQuantized):
     this rank's own chunk exact: each gradient is quantized once, not once per hop as a quantized ring all-reduce
     would compound. All-gathers are the identity's.
 
+    With ``bits=4`` (``Communication.gradient_bits``) two values share a byte: about half the bytes, and a bound
+    of ``max|x_r| / 14`` in place of ``/ 254``.
+
     Bound: each element of the result is within the sum, over the other ranks, of ``quantization.error_bound`` of
     their chunk (``max|x_r| / 254`` and a little, over the element's block), plus fp32 rounding of ``world_size``
     additions, then one rounding into the output's dtype."""
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         world, rank, n = transport.world_size, transport.rank, output.numel()
-        size = quantization.packet_bytes(n, self.block)
+        size = quantization.packet_bytes(n, self.block, self.bits)
         send = torch.empty(world, size, dtype=torch.uint8, device=input.device)
-        quantization.encode(input.view(world, n), self.block, send)
+        quantization.encode(input.view(world, n), self.block, send, self.bits)
         received = torch.empty(world * size, dtype=torch.uint8, device=input.device)
         work = transport.all_to_all(received, send.view(-1))
 
@@ -240,18 +245,18 @@ class QuantizedGradients(BlockQuantized):
         padded[:n] = tensor
         summed = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
         reduced = self.reduce_scatter(summed, padded, transport)
-        size = quantization.packet_bytes(chunk, self.block)
+        size = quantization.packet_bytes(chunk, self.block, self.bits)
 
         def share_sum() -> Work:
             mine = torch.empty(1, size, dtype=torch.uint8, device=tensor.device)
-            quantization.encode(summed.view(1, chunk), self.block, mine)
+            quantization.encode(summed.view(1, chunk), self.block, mine, self.bits)
             gathered = torch.empty(world * size, dtype=torch.uint8, device=tensor.device)
 
             def decode() -> None:
                 for r, packet in enumerate(gathered.view(world, size)):
                     for start, stop in quantization.slices(min(chunk, n - r * chunk), self.block):
                         part = tensor[r * chunk + start : r * chunk + stop]
-                        part.copy_(quantization.decode(packet, chunk, self.block, start, stop))
+                        part.copy_(quantization.decode(packet, chunk, self.block, start, stop, self.bits))
 
             return Works([transport.all_gather(gathered, mine.view(-1))], decode, holds=(mine,))
 

@@ -6,7 +6,8 @@
   ``max|x| / 254`` of each value (``max`` over its block). Gathers outside training
   (``opt.gathered_parameters()``, ``opt.close()``) are exact.
 * ``quantized_gradients`` (ZeRO++'s qgZ, stages 1-3): each gradient reduce-scatter is one all-to-all of int8 blocks
-  summed in fp32 on the receiving rank (:class:`zero.codec.QuantizedGradients`).
+  summed in fp32 on the receiving rank (:class:`zero.codec.QuantizedGradients`); ``gradient_bits=4`` sends int4
+  instead (two values a byte, as ZeRO++'s qgZ does inside a machine): half the bytes again, within ``max|x| / 14``.
 * ``shard_size`` (hierarchical sharding, FSDP2's HSDP): shard over groups of ``shard_size`` consecutive ranks (one
   machine: ``"local"`` takes torchrun's ``LOCAL_WORLD_SIZE``) and replicate across the groups. Gradients are
   reduce-scattered inside the group and their shard all-reduced across groups; parameters are gathered inside
@@ -52,6 +53,12 @@ class Communication(BaseModel):
         description="Elements per quantization block (one fp32 scale each): smaller blocks err less and send more "
         "scales.",
     )
+    gradient_bits: Literal[8, 4] = Field(
+        8,
+        description="With quantized_gradients: bits per value, 8 (int8) or 4 (int4, two values a byte: about 0.14x "
+        "fp32's bytes, each value within max|x| / 14 of its block's absmax instead of / 254). 4 needs an even "
+        "block_size.",
+    )
     shard_size: Union[StrictInt, Literal["local"], None] = Field(
         None,
         description="Hierarchical sharding: shard over groups of this many consecutive ranks and replicate across "
@@ -69,6 +76,11 @@ class Communication(BaseModel):
     def _positive_shard_size(self) -> "Communication":
         if isinstance(self.shard_size, int) and self.shard_size < 1:
             raise ValueError(f"communication.shard_size must be at least 1 (got {self.shard_size})")
+        if self.gradient_bits != 8 and not self.quantized_gradients:
+            raise ValueError(f"communication.gradient_bits={self.gradient_bits} needs quantized_gradients=True")
+        if self.gradient_bits == 4 and self.block_size % 2:
+            raise ValueError(f"communication.gradient_bits=4 packs two values a byte: block_size must be even (got "
+                             f"{self.block_size})")
         if self.hierarchy == "hpz" and self.shard_size is None:
             raise ValueError("communication.hierarchy='hpz' needs shard_size: the group that holds the secondary "
                              "copy of the parameters (e.g. 'local', the ranks of one machine)")

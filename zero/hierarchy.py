@@ -33,7 +33,8 @@ def codec_of(policy: Communication) -> Codec:
     if not policy.quantized:
         return IdentityCodec()
     gather = QuantizedWeights(policy.block_size) if policy.quantized_weights else IdentityCodec()
-    reduce = QuantizedGradients(policy.block_size) if policy.quantized_gradients else IdentityCodec()
+    reduce = (QuantizedGradients(policy.block_size, policy.gradient_bits) if policy.quantized_gradients
+              else IdentityCodec())
     return PerCollective(gather, reduce)
 
 

@@ -5,7 +5,8 @@ One world per world size runs both parts and returns plain data; the test compar
 * ``comm_checks``: all-gathers (out of place, in place, bfloat16) and reduce-scatters (out of place, in place), all
   launched before any is waited for, through a forced communicator with the default (identity) codec, through
   today's raw ``torch.distributed`` calls (``comm.py``'s gloo path: one broadcast per rank, an all-reduce of the
-  input) and through one with the test double (``tests.codecs.Bf16WireCodec``);
+  input), through one with the test double (``tests.codecs.Bf16WireCodec``) and through the quantized codecs (int8,
+  and int4 gradients);
 * ``training`` (world sizes 2 and 3): a small GPT trained with SGD at stages 2 and 3, once with the identity codec
   and once with the double swapped in after construction, recording losses, the final parameters, and per step
   ``opt.comm_stats`` and what the double counted; and the runs of ``traffic_world.MIXED_CASES`` (the estimator's
@@ -38,6 +39,7 @@ QUANTIZED = {  # ZeroConfig.communication of the quantized training runs, by sta
     2: {"quantized_gradients": True, "block_size": 64},
     3: {"quantized_weights": True, "quantized_gradients": True, "block_size": 64},
 }
+INT4 = {stage: {**policy, "gradient_bits": 4} for stage, policy in QUANTIZED.items()}  # ... with int4 gradients
 
 
 def _values(gen: torch.Generator, k: int) -> torch.Tensor:
@@ -108,11 +110,15 @@ def comm_checks(rank: int, world_size: int) -> dict:
     lossy = Communicator(force_collectives=True, timeout_s=60, codec=double)
     quantized = Communicator(force_collectives=True, timeout_s=60,
                              codec=PerCollective(QuantizedWeights(BLOCK), QuantizedGradients(BLOCK)))
-    summed = inputs["reduce"].clone()
+    int4 = Communicator(force_collectives=True, timeout_s=60, codec=QuantizedGradients(BLOCK, bits=4))
+    summed, summed4 = inputs["reduce"].clone(), inputs["reduce"].clone()
     quantized.reduce_gradients(summed, what="all-reduce of gradients").wait()
+    int4.reduce_gradients(summed4, what="all-reduce of gradients").wait()
     return {
         "quantized": {**_run(quantized, inputs), "all_reduce": summed},
         "quantized_stats": _stats(quantized),
+        "int4": {**_run(int4, inputs), "all_reduce": summed4},
+        "int4_stats": _stats(int4),
         "default_codec": type(identity.codec).__name__,
         "identity": _run(identity, inputs),
         "identity_stats": _stats(identity),
@@ -157,7 +163,8 @@ def codec_checks(rank: int, world_size: int) -> dict:
     if world_size > 1:
         result["training"] = {stage: {"identity": _train(rank, world_size, stage, swap=False),
                                       "double": _train(rank, world_size, stage, swap=True),
-                                      "quantized": _train(rank, world_size, stage, False, QUANTIZED[stage])}
+                                      "quantized": _train(rank, world_size, stage, False, QUANTIZED[stage]),
+                                      "int4": _train(rank, world_size, stage, False, INT4[stage])}
                               for stage in STAGES}
         result["mixed"] = [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, *case)
                            for case in MIXED_CASES]  # for the estimator (traffic_world)

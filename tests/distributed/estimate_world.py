@@ -102,13 +102,16 @@ VARIANTS = ({"precision": "mixed-fp32-reduce"}, {"precision": "mixed"}, {"checkp
             {"precision": "mixed-fp32-reduce", "no_sync": True})  # (bf16 micro-batches accumulate in fp32)
 # ZeRO++'s quantized collectives (ZeroConfig.communication), priced on the wide GPT at the stages they run at
 COMMUNICATION = ({"quantized_gradients": True}, {"quantized_weights": True},
-                 {"quantized_weights": True, "quantized_gradients": True})
+                 {"quantized_weights": True, "quantized_gradients": True},
+                 {"quantized_gradients": True, "gradient_bits": 4})
 # ... and with hierarchy, in a world of 4 (two groups of 2), the only runs there: HSDP with qgZ (its sum across the
-# groups is qgZ's all-reduce, which a bucket starts when the next one launches: buckets of 4 MB, several), and hpZ
-# with both
+# groups is qgZ's all-reduce, which a bucket starts when the next one launches: buckets of 4 MB, several; int8 and
+# int4), and hpZ with both
 HIERARCHICAL_WORLD = 4
 HIERARCHICAL = ({"communication": {"shard_size": 2, "quantized_gradients": True}},
                 {"communication": {"shard_size": 2, "quantized_gradients": True}, "bucket_size_mb": 4},
+                {"communication": {"shard_size": 2, "quantized_gradients": True, "gradient_bits": 4},
+                 "bucket_size_mb": 4},
                 {"communication": {"shard_size": 2, "hierarchy": "hpz", "quantized_weights": True,
                                    "quantized_gradients": True}})
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantized-gradients", action="store_true",
                         help="stages 1-3: reduce-scatter gradients as int8 blocks through one all-to-all (ZeRO++ qgZ, "
                         "communication.quantized_gradients); lossy")
+    parser.add_argument("--gradient-bits", choices=("8", "4"), default="8",
+                        help="with --quantized-gradients: 8 (int8, the default) or 4 (int4, two values a byte, "
+                        "communication.gradient_bits; needs an even --block-size)")
     parser.add_argument("--block-size", type=whole_number(*BLOCK_SIZES), default=256,
                         help=f"elements per quantization block (one fp32 scale each), "
                         f"{whole_number_range(*BLOCK_SIZES)} (default 256)")
@@ -113,8 +116,8 @@ def communication(args: argparse.Namespace) -> dict[str, Any]:
     """``ZeroConfig(communication=...)``'s value for the options (only what differs from the defaults; a rule they
     break is a ``ValueError`` with the rule's message)."""
     return validated(dict(quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
-                          block_size=args.block_size, shard_size=args.shard_size,
-                          hierarchy=args.hierarchy)).model_dump(exclude_defaults=True)
+                          gradient_bits=int(args.gradient_bits), block_size=args.block_size,
+                          shard_size=args.shard_size, hierarchy=args.hierarchy)).model_dump(exclude_defaults=True)
 
 
 def zero_config(e: Estimate) -> ZeroConfig:
@@ -208,8 +211,10 @@ def _ranks(args: argparse.Namespace) -> str:
 
 
 def _quantized(args: argparse.Namespace) -> str:
-    what = [w for w, on in (("weights", args.quantized_weights), ("gradients", args.quantized_gradients)) if on]
-    return f", int8 {' and '.join(what)} (blocks of {args.block_size})" if what else ""
+    what = [w for w, on in (("int8 weights", args.quantized_weights),
+                            (f"int{args.gradient_bits} gradients", args.quantized_gradients)) if on]
+    text = " and ".join(what).replace("int8 weights and int8 gradients", "int8 weights and gradients")
+    return f", {text} (blocks of {args.block_size})" if what else ""
 
 
 def _traffic_table(e: Estimate) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from zero.communication import Communication
 from zero.estimator.traffic import Wire
-from zero.quantization import packet_bytes, scratch_bytes
+from zero.quantization import decode_bytes, packet_bytes, scratch_bytes
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,14 @@ class CodecMemory:
     weights: bool = False  # qwZ's all-gathers
     gradients: bool = False  # qgZ's reduce-scatters
     replicas: int = 1  # > 1: qgZ's all-reduce across HSDP's groups
+    bits: int = 8  # qgZ's bits per value (qwZ's are 8)
 
     @classmethod
     def of(cls, policy: Communication, group: int, world_size: int) -> "CodecMemory":
         """The codecs of ``policy`` with the parameters sharded over ``group`` of ``world_size`` ranks."""
         return cls(policy.block_size, policy.quantized_weights and group > 1,
                    policy.quantized_gradients and group > 1,
-                   world_size // group if policy.quantized_gradients else 1)
+                   world_size // group if policy.quantized_gradients else 1, policy.gradient_bits)
 
     def gathering(self, wire: Wire | None) -> int:
         """Held while an all-gather of the bucket is in flight (its packets)."""
@@ -48,14 +49,15 @@ class CodecMemory:
 
     def gather_decode(self, wire: Wire | None) -> int:
         """Held besides while the gathered packets are decoded."""
-        return scratch_bytes(1, wire.chunk, self.block) if self.weights and wire else 0
+        return decode_bytes(wire.chunk, self.block) if self.weights and wire else 0
 
     def sending(self, wire: Wire | None) -> tuple[int, int]:
         """A reduction's packets to send and the fp32 slice it encodes them through (bytes)."""
         if not (self.gradients and wire and wire.trainable):
             return 0, 0
         group = wire.padded // wire.chunk
-        return group * packet_bytes(wire.chunk, self.block), scratch_bytes(group, wire.chunk, self.block)
+        return (group * packet_bytes(wire.chunk, self.block, self.bits),
+                scratch_bytes(group, wire.chunk, self.block, self.bits))
 
     def reducing(self, wire: Wire | None) -> int:
         """Held while a reduction of the bucket is in flight inside the group: the packets sent and received."""
@@ -63,7 +65,13 @@ class CodecMemory:
 
     def reduce_decode(self, wire: Wire | None) -> int:
         """Held besides while the received packets are decoded and summed."""
-        return 2 * scratch_bytes(1, wire.chunk, self.block) if self.gradients and wire and wire.trainable else 0
+        if not (self.gradients and wire and wire.trainable):
+            return 0
+        return self._summing(wire.chunk)
+
+    def _summing(self, n: int) -> int:
+        """Decoding and summing packets of ``n`` elements: the fp32 sum's slice and one decoded slice."""
+        return scratch_bytes(1, n, self.block) + decode_bytes(n, self.block, self.bits)
 
     def across(self, wire: Wire | None) -> tuple[int, int, int, int]:
         """HSDP's sum of the bucket's shard across the groups (qgZ's all-reduce, ``zero.codec``), from its start
@@ -73,8 +81,9 @@ class CodecMemory:
         if not (self.replicas > 1 and wire and wire.trainable):
             return 0, 0, 0, 0
         replicas, piece = self.replicas, -(-wire.chunk // self.replicas)
-        packet, slice_ = packet_bytes(piece, self.block), scratch_bytes(1, piece, self.block)
+        packet = packet_bytes(piece, self.block, self.bits)
         copies = 4 * (replicas + 1) * piece  # the padded fp32 shard and this rank's chunk of the sum
-        wait = max(2 * slice_, packet + slice_, (1 + replicas) * packet + slice_)
-        encoding = scratch_bytes(replicas, piece, self.block)
+        wait = max(self._summing(piece), packet + scratch_bytes(1, piece, self.block, self.bits),
+                   (1 + replicas) * packet + decode_bytes(piece, self.block, self.bits))
+        encoding = scratch_bytes(replicas, piece, self.block, self.bits)
         return copies + replicas * packet, encoding, copies + 2 * replicas * packet, wait

@@ -59,7 +59,7 @@ from zero.quantization import packet_bytes
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
 PREFIXES = {"intra": "", "inter": "inter_", "hpz": "intra_"}  # opt.comm_stats' name of a level's <kind>
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-QUANTIZED = "int8"  # the wire dtype of a quantized collective: int8 blocks, each with one fp32 scale
+QUANTIZED = {8: "int8", 4: "int4"}  # a quantized collective's wire dtype by bits: blocks, each with one fp32 scale
 FLAGS = torch.int32  # the end of backward's agreement
 
 CommunicationArg = Union[Communication, Mapping[str, Any], None]
@@ -83,7 +83,7 @@ class Collective:
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     level: str  # "intra", "inter" or "hpz" (see the module docstring)
-    dtype: str  # on the wire: "fp32", "bf16", "int32", or "int8" (quantized: int8 blocks and their fp32 scales)
+    dtype: str  # on the wire: "fp32", "bf16", "int32", or "int8" / "int4" (quantized: blocks and their fp32 scales)
     calls: int
     numel: int  # payload elements
     bytes: int  # bytes on the wire
@@ -200,7 +200,8 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
             add("all_reduce", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
         elif w.trainable:
             if policy.quantized_gradients:
-                add("reduce_scatter", "intra", QUANTIZED, w.padded, group * packet_bytes(w.chunk, block))
+                bits = policy.gradient_bits
+                add("reduce_scatter", "intra", QUANTIZED[bits], w.padded, group * packet_bytes(w.chunk, block, bits))
             else:
                 add("reduce_scatter", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
             _shard_across(add, w, policy, world_size // group)
@@ -211,7 +212,7 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
             add("all_gather", "hpz", w.params, copies * w.padded, copies * w.padded * w.params.itemsize, copies)
             n = gathers.get(w.unit or "", 0) - copies
             if policy.quantized_weights:
-                add("all_gather", "intra", QUANTIZED, n * w.padded, n * group * packet_bytes(w.chunk, block), n)
+                add("all_gather", "intra", QUANTIZED[8], n * w.padded, n * group * packet_bytes(w.chunk, block), n)
             else:
                 add("all_gather", "intra", w.params, n * w.padded, n * w.padded * w.params.itemsize, n)
     flags = slots + 2 + (2 if stage == 3 else 0)  # used flags, the step count (v, -v), stage 3's fingerprint
@@ -228,7 +229,8 @@ def _shard_across(add: Any, w: Wire, policy: Communication, replicas: int) -> No
     (``zero.codec.QuantizedGradients.all_reduce``)."""
     if policy.quantized_gradients:
         piece = -(-w.chunk // replicas)
-        add("all_reduce", "inter", QUANTIZED, w.chunk, 2 * replicas * packet_bytes(piece, policy.block_size))
+        packet = packet_bytes(piece, policy.block_size, policy.gradient_bits)
+        add("all_reduce", "inter", QUANTIZED[policy.gradient_bits], w.chunk, 2 * replicas * packet)
     else:
         add("all_reduce", "inter", w.reduce, w.chunk, w.chunk * w.reduce.itemsize)
 
