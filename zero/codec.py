@@ -235,7 +235,7 @@ class QuantizedGradients(BlockQuantized):
         return Works([work], decode, holds=(send,))
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
-        """qgZ's reduction, then its result shared as int8 too: rank ``r`` sums chunk ``r`` (:meth:`reduce_scatter`
+        """qgZ's reduction, then its result shared quantized too: rank ``r`` sums chunk ``r`` (:meth:`reduce_scatter`
         of the tensor padded to ``world_size`` chunks), quantizes the sum, and every rank (``r`` included) decodes
         every chunk's packet, so that every rank holds the same values. Bound: the reduce-scatter's, plus one
         quantization of the sum (``quantization.error_bound`` of it)."""

@@ -1,16 +1,20 @@
 """What the collective codecs (:mod:`zero.codec`) hold on the device beside the buffers they fill, per bucket, for
 the schedule (:mod:`zero.estimator.schedule`). With ``C`` one rank's chunk of a bucket, ``g`` the ranks it is
-sharded over and ``packet = zero.quantization.packet_bytes(C, block_size)``:
+sharded over and ``packet = zero.quantization.packet_bytes(C, block_size, bits)``:
 
 * the identity codec (exact communication): nothing;
 * quantized weights (ZeRO++ qwZ), each all-gather of a bucket: its own packet and the group's (``(1 + g)
-  packets``) from its start until it is waited for; decoding holds one fp32 slice
-  (``zero.quantization.scratch_bytes``). hpZ's gathers from the secondary copies are exact: nothing;
-* quantized gradients (ZeRO++ qgZ), each reduction of a bucket: its ``g`` packets, while it encodes them (one fp32
-  slice of ``g`` rows), then also the ``g`` it receives until it is waited for; decoding holds two fp32 slices (the
-  sum and one decoded slice). With HSDP the shard's sum across the ``r`` groups (qgZ's all-reduce) holds a padded
-  fp32 copy of the shard, its chunk of the sum and the packets of its two phases: priced from the launch to the
-  wait, the longest it may live (an upper bound: it starts when the next bucket launches, or at the wait).
+  packets``) from its start until it is waited for; decoding holds one fp32 slice besides
+  (``zero.quantization.decode_bytes``). hpZ's gathers from the secondary copies are exact: nothing;
+* quantized gradients (ZeRO++ qgZ, int8 or int4), each reduction of a bucket: its ``g`` packets while it encodes
+  them (through one fp32 slice of ``g`` rows, ``scratch_bytes``), then also the ``g`` it receives until it is
+  waited for; decoding holds the sum's fp32 slice and one decoded slice besides;
+* with HSDP, each bucket's sum across the ``r`` groups (qgZ's all-reduce of the shard) from its start (when the next
+  bucket launches, ``zero.comm_handles.Chain.advance``, or at the wait) to its wait: a padded fp32 copy of the shard,
+  this rank's chunk of the sum and its packets, and at the wait the slices that decode, encode, share and decode
+  the sum. (The reduction inside the group is over by then: its packets went with its wait.)
+
+Measured against the allocator on a parameter-bound GPT in ``tests/distributed/test_estimate_world.py``.
 """
 
 from __future__ import annotations
