@@ -254,7 +254,7 @@ class QuantizedGradients(BlockQuantized):
 
             def decode() -> None:
                 for r, packet in enumerate(gathered.view(world, size)):
-                    for start, stop in quantization.slices(min(chunk, n - r * chunk), self.block):
+                    for start, stop in quantization.slices(max(0, min(chunk, n - r * chunk)), self.block):
                         part = tensor[r * chunk + start : r * chunk + stop]
                         part.copy_(quantization.decode(packet, chunk, self.block, start, stop, self.bits))
 

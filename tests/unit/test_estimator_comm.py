@@ -296,6 +296,14 @@ def test_cli_prints_the_traffic_table_under_the_memory_figures(capsys, tmp_path)
     assert {c["dtype"] for c in first["traffic"]["collectives"]} == {"int8", "int32"}
 
 
+def test_cli_prices_int4_gradients(capsys):
+    code, out, _ = _cli(capsys, "--world-size", "4", "--quantized-gradients", "--gradient-bits", "4")
+    assert code == 0 and "4 ranks, int4 gradients (blocks of 256)" in out
+    assert "'quantized_gradients': True, 'gradient_bits': 4" in out
+    table = out[out.index("traffic per step of the first"):]
+    assert ["reduce_scatter", "intra", "int4"] in [line.split()[:3] for line in table.splitlines()[2:]]
+
+
 def test_cli_without_the_flags_prints_one_flat_level(capsys):
     code, out, _ = _cli(capsys, "--world-size", "2")
     table = out[out.index("traffic per step of the first (stage 0"):]

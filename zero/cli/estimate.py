@@ -211,10 +211,12 @@ def _ranks(args: argparse.Namespace) -> str:
 
 
 def _quantized(args: argparse.Namespace) -> str:
-    what = [w for w, on in (("int8 weights", args.quantized_weights),
-                            (f"int{args.gradient_bits} gradients", args.quantized_gradients)) if on]
-    text = " and ".join(what).replace("int8 weights and int8 gradients", "int8 weights and gradients")
-    return f", {text} (blocks of {args.block_size})" if what else ""
+    """", int8 weights and gradients (blocks of 256)" and the like; "" without quantization."""
+    weights = ["int8 weights"] if args.quantized_weights else []
+    same = weights and args.gradient_bits == "8"  # "int8 weights and gradients"
+    gradients = ["gradients" if same else f"int{args.gradient_bits} gradients"] if args.quantized_gradients else []
+    what = weights + gradients
+    return f", {' and '.join(what)} (blocks of {args.block_size})" if what else ""
 
 
 def _traffic_table(e: Estimate) -> None:

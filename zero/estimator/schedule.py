@@ -132,8 +132,8 @@ class _Reduction:
     @property
     def held(self) -> int:
         """The staging buffers of the reductions in flight, and what their codec holds."""
-        staging = self.layout.staged
-        return sum(b.staging * staging + self.packets.get(id(b), 0) for b, _ in self.order.in_flight) + self.transient
+        staging = sum(b.staging for b, _ in self.order.in_flight) if self.layout.staged else 0
+        return staging + sum(self.packets.values()) + self.transient
 
     def _at(self, transient: int, on_peak: Callable[[], None]) -> None:
         self.transient = transient
