@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.activations_world import activation_checks
 from tests.distributed.harness import global_mean
+from tests.distributed.inplace_world import inplace_checks
 from tests.distributed.offload_world import offload_checks
 from tests.distributed.precision_world import precision_checks
 from tests.distributed.profile_world import profile_checks
@@ -380,4 +381,5 @@ def world_checks(rank: int, world_size: int) -> dict:
         "precision": precision_checks(rank, world_size),
         "offload": offload_checks(rank, world_size),
         "activations": activation_checks(rank, world_size),
+        "inplace": inplace_checks(rank, world_size),
     }

@@ -106,6 +106,7 @@ class Recorder(TorchDispatchMode):
         self.points: list[Point] = []
         self.stack: list[str] = []
         self.reached = ""
+        self.input_hooks: list[Any] = []  # each module call's (removed with the module hooks)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._refs: list[weakref.ref] = []
         # storages that exist already (an in-place operator returns them): parameters, buffers, the batch, ...
@@ -175,15 +176,15 @@ class Recorder(TorchDispatchMode):
         return handles
 
     def _enter(self, name: str) -> Callable:
-        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.stack.append(name)
             self.point("enter", name)
             if torch._C._current_graph_task_id() != -1:  # recomputed in backward: stage 3 hooks nothing
-                return None
-            hooked = hook_input_gradients(args, kwargs, lambda: self.point("done", name))
-            if hooked is not None:
+                return
+            hook = hook_input_gradients(args, kwargs, lambda: self.point("done", name))
+            if hook is not None:
+                self.input_hooks.append(hook)
                 self.point("hooked", name)
-            return hooked
 
         return enter
 
@@ -251,7 +252,7 @@ def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: t
             del loss
             recorder.point("op", "<end of backward>")
     finally:
-        for handle in handles:
+        for handle in [*handles, *recorder.input_hooks]:
             handle.remove()
     grads = {name: p.grad.untyped_storage().nbytes() for name, p in model.named_parameters() if p.grad is not None}
     return Timeline(recorder.points, grads)

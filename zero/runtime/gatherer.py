@@ -54,6 +54,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zero.comm import Communicator, Handle
 from zero.outputs import tensors_in
@@ -89,6 +90,7 @@ class Unit:
         self.in_backward = False  # between its pre-backward and the end of its backward
         self.num_grads = 0  # parameters whose gradient arrived in this backward pass
         self.pending_inputs = 0  # forward calls whose inputs' gradients backward has not computed yet
+        self.input_hooks: list[RemovableHandle] = []  # theirs, removed when the backward pass is over
         # The root unit's backward starts as soon as its forward ends, so it is never released in
         # between (FSDP2 does the same): regathering it at once would only cost traffic.
         self.is_root = spec.name == ""
@@ -203,6 +205,9 @@ class ParamGatherer:
             unit.in_backward = False
             unit.num_grads = 0
             unit.pending_inputs = 0
+            for hook in unit.input_hooks:  # (a leaf input would keep them)
+                hook.remove()
+            unit.input_hooks = []
 
     @property
     def in_forward(self) -> bool:
@@ -230,7 +235,7 @@ class ParamGatherer:
 
     # ----- forward ----------------------------------------------------------------------------------
 
-    def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre_forward(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         unit = self.units[index]
         functorch = _in_functorch()
         self._saved_check.enter(torch.is_grad_enabled() and not _in_backward() and not functorch)
@@ -238,7 +243,7 @@ class ParamGatherer:
             raise RuntimeError(_NO_FUNCTORCH)
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
             self.wait(unit)
-            return None
+            return
         if unit.is_root:
             self._depth = 0  # (a forward interrupted by an error never came back out)
         if self._depth == 0:  # a new forward pass starts
@@ -254,10 +259,10 @@ class ParamGatherer:
         self._check_order(len(self._forward_order) - 1, ended=False)
         self.wait(unit)
         self._prefetch(self._forward_order, self._previous_forward)
-        hooked = hook_input_gradients(args, kwargs, weak_hook(self._inputs_done, unit.index))
-        if hooked is not None:
+        hook = hook_input_gradients(args, kwargs, weak_hook(self._inputs_done, unit.index))
+        if hook is not None:
             unit.pending_inputs += 1
-        return hooked
+            unit.input_hooks.append(hook)
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         unit = self.units[index]

@@ -3,45 +3,39 @@
 Note: a module's parameters are read by backward until autograd has computed the gradient of
 every input of its forward that needs one (frozen weights included: they carry the gradient back
 to earlier modules, e.g. LoRA adapters on a frozen base). The last parameter gradient to arrive
-does not say that, the gradient of the inputs does. :func:`hook_input_gradients` passes the
-floating-point inputs that require grad through an identity autograd function whose backward
-runs once autograd has summed the gradient of all of them, that is when the module's backward is
-over (FSDP2 does the same). A forward whose inputs need no gradient gets no hook.
+does not say that, the gradient of the inputs does. :func:`hook_input_gradients` registers one
+gradient hook over the floating-point inputs that require grad
+(``torch.autograd.graph.register_multi_grad_hook``, mode ``"all"``): it runs once autograd has
+computed the gradient of every one of them that this backward needs, that is when the module's
+backward is over. A forward whose inputs need no gradient gets no hook.
+
+Note: the inputs themselves are left untouched, so the forward may modify them in place
+(``F.relu(x, inplace=True)``, ``x += y``, as torchvision's blocks do). An identity autograd
+function whose outputs replaced the inputs (FSDP2's ``RegisterPostBackwardFunction``, this module's
+first version) makes them views of a custom function, which autograd forbids modifying in place. A
+hook registered before an in-place change still fires with the gradient of the value it was
+registered on (the value the forward received), which is the last gradient the module computes.
+
+A hook on a leaf (an input that is itself a leaf requiring grad, a parameter passed as an argument)
+lives as long as the leaf: the caller removes the handle once the backward pass is over.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 
-class _InputGradients(torch.autograd.Function):
-    """Identity on the inputs; ``callback()`` runs in backward when their gradients are complete."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
-def hook_input_gradients(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict] | None:
-    """``(args, kwargs)`` with every tensor that requires grad passed through one autograd function
-    whose backward calls ``callback()``; ``None`` (nothing to hook) when no input requires grad or
-    grad mode is off."""
+def hook_input_gradients(args: tuple, kwargs: dict, callback: Callable[[], None]) -> RemovableHandle | None:
+    """Register ``callback()`` to run in backward once the gradients of every tensor in ``(args, kwargs)``
+    that requires grad are computed; the hook's handle, or ``None`` (nothing to hook) when no input
+    requires grad or grad mode is off."""
     if not torch.is_grad_enabled():
         return None
-    leaves, spec = tree_flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-    if not at:
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs:
         return None
-    hooked = _InputGradients.apply(callback, *(leaves[i] for i in at))
-    for i, tensor in zip(at, hooked):
-        leaves[i] = tensor
-    return tree_unflatten(leaves, spec)
+    return torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: callback(), mode="all")
