@@ -18,6 +18,7 @@ from torch import nn
 
 import zero
 from tests.distributed.harness import init_fake_world
+from tests.inplace import InplaceNet, TinyResNet, resnet_loss
 from zero.estimator import Workload, estimate
 from zero.estimator.traffic import stages_for, validated
 from zero.models import GPT, GPTConfig
@@ -90,10 +91,16 @@ MODELS = {
                  lambda m, x: m.loss(x, x), lambda micro: (torch.randint(0, 64, (micro, 8)),)),
     "cnn": (SmallCNN, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
             lambda micro: (torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,)))),
+    # in-place operations (issue 33): torchvision's ResNet layout (ReLU(inplace=True), out += identity) on 32 x 32
+    # images, and blocks (stage 3's units) whose forward starts by modifying its input in place
+    "resnet-inplace": (lambda: TinyResNet(width=16), resnet_loss,
+                       lambda micro: (torch.randn(micro, 3, 32, 32), torch.randint(0, 10, (micro,)))),
+    "inplace-blocks": (lambda: InplaceNet(width=256), lambda m, x: m(x), lambda micro: (torch.randn(micro * 64, 256),)),
 }
 
 
-PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora", "gpt-wide")  # at the first micro-batch only
+# at the first micro-batch only
+PARTIAL = ("hf-gpt2-frozen", "hf-gpt2-lora", "gpt-wide", "resnet-inplace", "inplace-blocks")
 
 # variants priced on the project's GPT at the first micro-batch, besides fp32 (estimate()'s keyword arguments):
 # both mixed-precision policies, activation checkpointing, and accumulation of a micro-batch under no_sync() (also

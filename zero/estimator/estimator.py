@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero.activations import MATMULS
 from zero.estimator.codec_memory import CodecMemory
+from zero.estimator.failure import describe_failure
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
 from zero.estimator.schedule import Options, replay
 from zero.estimator.traffic import (
@@ -114,11 +115,7 @@ def trace(build_fn: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor
             fake_batch = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
             return _trace_fake(model, loss_fn, fake_batch)
     except Exception as err:  # a model or loss that cannot run without data
-        raise ValueError(
-            f"could not trace the model on fake tensors ({type(err).__name__}: {err}). Estimation runs the "
-            "forward without data: data-dependent control flow (e.g. .item(), .tolist(), nonzero()) is not "
-            "supported; pass a loss_fn whose forward depends only on shapes."
-        ) from err
+        raise ValueError(describe_failure("tracing the model", err)) from err
 
 
 def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zero.activations import ActivationCheckpointing, checkpoint_activations
+from zero.estimator.failure import describe_failure
 from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
@@ -295,7 +296,8 @@ def _largest(recorder: Recorder) -> int:
 
 
 class _explained:
-    """Turns a failure while tracing into a ``ValueError`` that says what was being done and what to check."""
+    """Turns a failure while tracing into a ``ValueError`` that says what was being done, where it failed and what
+    to check (:func:`zero.estimator.failure.describe_failure`)."""
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -306,8 +308,4 @@ class _explained:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None or isinstance(exc, ValueError):
             return False
-        raise ValueError(
-            f"the estimator failed while {self.what} on fake tensors ({type(exc).__name__}: {exc}). Estimation "
-            "runs without data: data-dependent control flow (.item(), .tolist(), nonzero(), a branch on a value) "
-            "cannot be traced; make the forward and loss depend only on shapes."
-        ) from exc
+        raise ValueError(describe_failure(self.what, exc)) from exc
