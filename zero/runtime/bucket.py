@@ -261,11 +261,16 @@ class Bucket:
         assert self.staging is not None
         return self.staging.view(slot.span.offset, slot.span.numel, slot.param.shape)
 
-    def grad_piece(self, piece: LocalPiece) -> torch.Tensor:
-        """The optimizer's gradient for one local piece (1D view of ``master_grad`` or ``grad_shard``)."""
+    @property
+    def step_grads(self) -> torch.Tensor:
+        """The optimizer's gradient chunk (1D): ``master_grad``, or ``grad_shard``."""
         source = self.master_grad.data if self.master_grad is not None else self.grad_shard
         assert source is not None
-        return source.narrow(0, piece.piece.chunk_start, piece.piece.numel)
+        return source
+
+    def grad_piece(self, piece: LocalPiece) -> torch.Tensor:
+        """The optimizer's gradient for one local piece (1D view of :attr:`step_grads`)."""
+        return self.step_grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
     def zero_pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> None:
         """Zero the slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``)."""

@@ -28,6 +28,15 @@ from zero.offload import Offload
 HOST = torch.device("cpu")
 
 
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a table, flags) on ``device`` without the host waiting for the device: through pinned
+    memory, asynchronously (the host allocator keeps the pinned block until the copy has read it). A plain copy
+    from pageable memory would make the host wait for everything queued on the stream."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Where(Enum):
     """Where a planned buffer lives (what the estimator prices apart: device memory, host memory)."""
 

@@ -61,6 +61,7 @@ from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.gatherer import ParamGatherer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.no_gatherer import NoGatherer
+from zero.runtime.placement import to_device_async
 from zero.runtime.reduction_order import ReductionOrder
 from zero.runtime.stages.stage0 import Stage0
 from zero.weak import weak_hook
@@ -273,12 +274,15 @@ class GradReducer:
         steps = self.steps() % _AGREE_MOD
         local += [steps, -steps]  # MAX of both: equal to (v, -v) only if every rank had v
         local += self.gatherer.fingerprint_flags()
-        flags = torch.tensor(local, dtype=torch.int32, device=self.comm.device)
+        flags = to_device_async(torch.tensor(local, dtype=torch.int32), self.comm.device)
         flags = torch.cat([flags, self.scaler.local_flags(self.comm.device)])  # last: overflow (fp16 only)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients",
                              every_group=True).wait()
         while self._order.in_flight:
             self._complete_oldest()
+        # Note: the one host read of a device value in a training step. The host waits here for backward and its
+        # reductions to finish on the device; it decides which parameters get a gradient and refuses a step on
+        # gradients of ranks that diverged before step() can use them (never a silent step).
         agreed = flags.tolist()
         self.scaler.agree(agreed)
         for slot, used in zip(self.slots, agreed):

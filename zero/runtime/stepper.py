@@ -10,9 +10,10 @@ element by element, so the split changes no number.
 ``ZeroConfig.step_kernel`` chooses the kernel of mixed-precision Adam and AdamW on the device:
 
 * ``"torch"``: the wrapped optimizer, then the master cast into the bf16 parameters (two passes);
-* ``"triton"``: one Triton pass per piece (``zero.kernels.triton_adamw``) that reads the gradient, master,
-  m and v and writes master, m, v and the bf16 parameter; the optimizer's state keeps torch's format
-  (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints and schedulers are unaffected;
+* ``"triton"``: one Triton pass per bucket (``zero.runtime.flat_step``, ``zero.kernels.triton_adamw``) that
+  reads the gradient, master, m and v and writes master, m, v and the bf16 parameter, with no host read of a
+  device value; the optimizer's state keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``), so
+  checkpoints and schedulers are unaffected;
 * ``"auto"`` (default): Triton where it applies (a CUDA device, Triton installed, bf16 parameters with fp32
   masters kept on the device, Adam/AdamW without ``amsgrad``, ``maximize`` or ``differentiable``),
   otherwise torch. The offloaded (host) step is always torch's, whose fused CPU kernel is at memory
@@ -29,6 +30,7 @@ import torch
 
 from zero.config import StepKernel
 from zero.runtime.bucket import Bucket, LocalPiece
+from zero.runtime.flat_step import FlatAdamW
 from zero.runtime.paging import Resident
 
 
@@ -59,6 +61,7 @@ class BucketStepper:
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], kernel: StepKernel):
         self.optimizer = optimizer
         self.triton: set[int] = set()  # indices of the buckets the Triton step takes
+        self.flat = FlatAdamW(optimizer)
         if kernel == "auto":
             buckets = [b for b in buckets if b.master.device.type == "cuda"]
         if kernel == "torch" or not buckets:
@@ -79,8 +82,9 @@ class BucketStepper:
         """Update the bucket's master chunk and this rank's chunk of its parameters (``step_kwargs``: what
         the user passed to ``step()``, for an optimizer whose ``step`` takes more than a closure)."""
         if bucket.index in self.triton and not step_kwargs:
-            self._triton_step(bucket)
+            self.flat.step(bucket)
             return
+        self.flat.forget_counts(bucket)  # (the torch step advances the counts the Triton step keeps)
         self.update_master(bucket, self.optimizer, step_kwargs=step_kwargs)
         bucket.push_master()
 
@@ -109,37 +113,6 @@ class BucketStepper:
         finally:
             for piece in pieces:
                 piece.tensor.grad = None
-
-    def _triton_step(self, bucket: Bucket) -> None:
-        from zero.kernels.triton_adamw import adamw_step_
-
-        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
-        for piece in bucket.pieces:
-            if not piece.slot.used_anywhere:  # torch skips a parameter without a gradient
-                continue
-            group = self.optimizer.param_groups[piece.slot.group_index]
-            state = self.optimizer.state[piece.tensor]
-            if not state:  # as torch.optim.Adam initializes it (a CPU step count unless fused or capturable)
-                on_device = group.get("fused") or group.get("capturable")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=piece.tensor.device if on_device else None)
-                state["exp_avg"] = torch.zeros_like(piece.tensor, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(piece.tensor, memory_format=torch.preserve_format)
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            adamw_step_(
-                piece.tensor,
-                bucket.grad_piece(piece),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                bucket.shard.narrow(0, piece.piece.chunk_start, piece.piece.numel),
-                step=int(state["step"].item()),
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=decoupled or bool(group.get("decoupled_weight_decay")),
-            )
 
 
 class ImmediateUpdate:
