@@ -206,6 +206,11 @@ class Communicator:
         return group
 
     @property
+    def destroyed(self) -> bool:
+        """Whether the process group this communicator had was destroyed (nothing can be sent any more)."""
+        return self._group is not None and self._group() is None
+
+    @property
     def backend(self) -> str:
         """The process group's backend (``"nccl"``, ``"gloo"``, ...), or ``"none"`` without one."""
         return str(dist.get_backend(self.group)) if self.group is not None else "none"

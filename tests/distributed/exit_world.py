@@ -5,12 +5,14 @@
   held any of them when ``wait()`` returned (a tensor's ``_use_count()`` above 1: a holder besides Python's object).
 * ``destroyed``: a ``ZeroOptimizer`` over a group of its own, which is then destroyed while the optimizer lives on:
   whether the group object outlived ``destroy_process_group(group)`` (the communicator held it), how many of gloo's
-  worker threads the process had before the group, with it and after, and the error a collective then raises.
+  worker threads the process had before the group, with it and after, the error a collective then raises, what the
+  optimizer's finalizer raised when it is then dropped (nothing), and the error using the model then gives.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from pathlib import Path
 
@@ -82,8 +84,21 @@ def destroyed(rank: int, world_size: int) -> dict:
         opt.comm.group  # noqa: B018 - the property raises
     except RuntimeError as err:
         error = str(err)
+    unraisable = []  # what the optimizer's finalizer raised when it was dropped (it must raise nothing)
+    hook, sys.unraisablehook = sys.unraisablehook, lambda info: unraisable.append(repr(info.exc_value))
+    try:
+        del opt
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    try:  # the parameters kept their shards: using them says why
+        model.loss(x, y)
+        use = "no error"
+    except RuntimeError as err:
+        use = str(err)
     return {"before": before, "with_group": with_group, "after": _gloo_workers(),
-            "group_outlived_destroy": alive() is not None, "error": error}
+            "group_outlived_destroy": alive() is not None, "error": error, "dropped_raised": unraisable,
+            "use_after_drop": use}
 
 
 def exit_checks(rank: int, world_size: int) -> dict:

@@ -38,3 +38,12 @@ def test_destroying_the_group_frees_it_and_its_threads_while_the_optimizer_lives
         assert destroyed["after"] == destroyed["before"]
         assert "the process group was destroyed" in destroyed["error"]
         assert "destroy_process_group" in destroyed["error"]
+
+
+def test_an_optimizer_dropped_after_its_group_was_destroyed_raises_nothing_in_its_finalizer(exit_world):
+    """Scripts that destroy the group before the optimizer is collected printed "Exception ignored ... the process
+    group was destroyed" (issue 34): the finalizer leaves the parameters sharded, and using them says why."""
+    for result in exit_world:
+        destroyed = result["destroyed"]
+        assert destroyed["dropped_raised"] == []
+        assert "dropped without close()" in destroyed["use_after_drop"], destroyed["use_after_drop"]

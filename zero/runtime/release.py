@@ -8,9 +8,10 @@ parameters are whole already (views of the optimizer's flat buffers, which they 
 A stage-3 optimizer dropped without ``close()`` cannot gather in its finalizer: a collective
 there would run whenever the garbage collector gets to it, on each rank at another moment, and
 hang. In a world of one nothing is communicated, so the parameters are made whole at once;
-otherwise they stay sharded, each holding on to its shards, and the next ``ZeroOptimizer``
-built over the model gathers them first (its constructor runs on every rank at the same point).
-Until then any use of them raises an error that says so.
+otherwise (or when the process group was destroyed first) they stay sharded, each holding on to
+its shards, and the next ``ZeroOptimizer`` built over the model gathers them first (its constructor
+runs on every rank at the same point). Until then any use of them raises an error that says so.
+A finalizer never raises: what it cannot do is left to that error.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ModelRelease:
         if self.done:
             return
         self.remove_hooks()
-        if self.comm.skips_collectives:
+        if not self.comm.destroyed and self.comm.skips_collectives:
             self.unshard_all()
             return
         for bucket in self.sharded:
