@@ -14,14 +14,18 @@ class MasterRecipe:
     """A low-precision copy of ``model`` for forward and backward; after backward its gradients are cast
     to fp32 onto an fp32 master copy, which ``make_optimizer`` steps and which is then cast back."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, make_optimizer: Callable[[list], torch.optim.Optimizer]):
-        self.master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    def __init__(self, model: nn.Module, dtype: torch.dtype, make_optimizer: Callable[[list], torch.optim.Optimizer],
+                 master_device: torch.device | str | None = None):
+        """``master_device``: where the masters live and step (default: the model's device; ``"cpu"``: the step on
+        the host, as with optimizer offload)."""
+        self.master = [p.detach().float().to(master_device or p.device, copy=True).requires_grad_()
+                       for p in model.parameters()]
         self.low = copy.deepcopy(model).to(dtype)
         self.opt = make_optimizer(self.master)
 
     def grads_to_master(self) -> None:
         for m, p in zip(self.master, self.low.parameters()):
-            m.grad = None if p.grad is None else p.grad.float()
+            m.grad = None if p.grad is None else p.grad.float().to(m.device)
 
     def step(self, scaler: torch.amp.GradScaler | None = None) -> bool:
         """Step the master (through ``scaler`` if given), clear gradients, cast back; returns whether the

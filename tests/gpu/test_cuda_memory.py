@@ -11,7 +11,7 @@ import torch
 
 import zero
 from tests.readouts import profiled_steps
-from zero.estimator import estimate, trace
+from zero.estimator import Workload, estimate
 from zero.models import GPT, GPTConfig, synthetic_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,9 +32,9 @@ def test_cuda_breakdown_reconciles_and_estimate_is_within_five_percent(nccl_worl
     torch.cuda.synchronize()
     assert max(abs(s.unexplained) for s in prof.samples) <= 0.01 * prof.allocator.peak
     unrelated = prof.samples[0].labels.get("other/alive on entry", 0)  # e.g. the batch
-    tokens = torch.zeros(1, CFG.seq_len, dtype=torch.long, device="cuda")
-    traced = trace(lambda: GPT(CFG).cuda(), lambda m, a, b: m.loss(a, b), (tokens, tokens))
-    e = estimate(traced, stage=stage, world_size=1, micro_batch=MICRO_BATCH, traced_micro_batch=1)
+    workload = Workload(lambda: GPT(CFG).cuda(), lambda m, a, b: m.loss(a, b),
+                        lambda micro: tuple(t.cuda() for t in synthetic_batch(0, micro, CFG)))
+    e = estimate(workload, stage=stage, world_size=1, micro_batch=MICRO_BATCH)
     print(f"stage {stage}: measured peak {prof.allocator.peak / 2**20:.1f} MiB (unrelated {unrelated / 2**20:.2f}), "
-          f"estimated {e.peak / 2**20:.1f} MiB ({e.moment})")
+          f"estimated {e.peak / 2**20:.1f} MiB ({e.phase} {e.module} {e.event})")
     assert e.peak == pytest.approx(prof.allocator.peak - unrelated, rel=0.05)
