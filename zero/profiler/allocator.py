@@ -2,7 +2,9 @@
 
 * CUDA: ``torch.cuda.memory_allocated()`` at each sample; tensor sizes are rounded up to the
   caching allocator's 512-byte blocks; the peak between samples is ``max_memory_allocated()``
-  (its counter is reset at each sample, so this changes what a caller sees from it).
+  (its counter is reset at each sample, so this changes what a caller sees from it). cuBLAS's
+  workspaces are allocated through the same allocator but belong to no tensor: they are measured
+  when tracking starts and reported as ``other/cuBLAS workspaces`` (:func:`cublas_workspaces`).
 * CPU: PyTorch's CPU allocator reports every allocation and free to the profiler
   (``torch.profiler.profile(profile_memory=True)``), with the operator it happened in. The
   tracker marks each sample in that record; afterwards the record is replayed: the figure at a
@@ -50,6 +52,10 @@ class Allocator:
 
     def reconcile(self, samples: list, entries: list) -> None: ...
 
+    def outside_tensors(self) -> dict[str, int]:
+        """What the allocator holds for libraries rather than in any tensor, by name (bytes)."""
+        return {}
+
     def _note_peak(self, value: int, collectives: int = 0) -> None:
         self.peak = max(self.peak, value)
         self.peak_without_collectives = max(self.peak_without_collectives, value - collectives)
@@ -62,7 +68,11 @@ class CudaAllocator(Allocator):
         return 0 if nbytes == 0 else -(-nbytes // 512) * 512
 
     def start(self) -> None:
+        self.workspaces = cublas_workspaces(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def outside_tensors(self) -> dict[str, int]:
+        return {"cuBLAS workspaces": self.workspaces} if self.workspaces else {}
 
     def mark(self, index: int) -> None:
         # the highest point since the previous sample, then a fresh counter for the next interval
@@ -75,6 +85,30 @@ class CudaAllocator(Allocator):
     def reconcile(self, samples: list, entries: list) -> None:
         for s in samples:
             self._note_peak(s.allocated)
+
+
+def cublas_workspaces(device: torch.device) -> int:
+    """Bytes the caching allocator holds for cuBLAS's workspaces (one per handle and stream: the forward thread's and
+    autograd's backward thread's, each made at its first matmul, tens of MiB on recent GPUs). They are made here if
+    they were not yet, by a small matmul forward and backward in fp32 and bf16, so that they exist from the start of
+    the tracking as they would from the first matmul; measured by freeing them and making them again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return 0
+
+    def make() -> None:
+        a = torch.ones(16, 16, device=device, requires_grad=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            w = a.to(dtype)
+            torch.nn.functional.linear(w, w, w[0]).sum().backward()
+
+    make()
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device)
+    clear()
+    freed = held - torch.cuda.memory_allocated(device)
+    make()
+    return freed
 
 
 class CpuAllocator(Allocator):

@@ -237,6 +237,11 @@ class MemoryTracker:
                     continue
                 entry_alive += entry.nbytes
                 count_storage(storage, "other", "alive on entry", "")
+        for label, nbytes in self.allocator.outside_tensors().items():  # (cuBLAS's workspaces on a GPU)
+            categories["other"] += nbytes
+            labels[f"other/{label}"] = nbytes
+            modules[""] = modules.get("", 0) + nbytes
+            by_module["", "other"] = by_module.get(("", "other"), 0) + nbytes
         self.allocator.mark(index)
         self.samples.append(Sample(
             index=index, time=time.perf_counter() - self._start, step=self._ctx.step, phase=self._ctx.phase,
