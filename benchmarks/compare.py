@@ -8,6 +8,7 @@ then ``python benchmarks/render_results.py --write``.
 Every contender trains its own copy of the same GPT (same seed, same batches, AdamW):
 
 * ``ddp``                    ``DistributedDataParallel`` (the baseline every ratio is to)
+* ``plain``                  the model and AdamW alone, no wrapper (in a world of one only: the same training)
 * ``zro``                    ``torch.distributed.optim.ZeroRedundancyOptimizer`` over DDP (ZeRO-1)
 * ``fsdp2``, ``fsdp2-keep``  ``fully_shard`` on each block and the root, resharding after forward or not
 * ``ds-1``, ``ds-2``, ``ds-3``, ``ds-offload``  DeepSpeed ZeRO 1/2/3 and ZeRO-Offload (stage 2, optimizer on
@@ -17,6 +18,9 @@ Every contender trains its own copy of the same GPT (same seed, same batches, Ad
   and with bf16 mixed precision (fp32 masters)
 * ``zero-3-keep``            stage 3 with ``reshard_after_forward=False``: units stay gathered from forward to
   backward (2Ψ traffic instead of 3Ψ, more memory)
+* ``fsdp2-bf16``, ``zero-3-bf16``, ``zero-3-bf16-offload``  on a GPU only: FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, stage 3 with bf16 parameters (fp32 masters and
+  reduction), and the same with the optimizer and the parameters offloaded to the host
 * ``zero-3-qwz``, ``zero-3-qgz``, ``zero-3-zpp``  stage 3 with ZeRO++'s quantized collectives
   (``ZeroConfig.communication``, docs/communication.md): int8 parameter gathers (qwZ), int8 gradient reduction
   through one all-to-all (qgZ), and both; blocks of 256 elements, ``1 + 4/256`` bytes per element on the wire.
@@ -32,7 +36,8 @@ Every contender trains its own copy of the same GPT (same seed, same batches, Ad
 
 Measured, per contender:
 
-* **step time**: forward + backward + step + zero_grad after a barrier, max over ranks; the median of the
+* **step time**: forward + backward + step + zero_grad after a barrier (on a GPU between two
+  ``torch.cuda.synchronize()``: the device's time, not the host's launches), max over ranks; the median of the
   timed steps, interleaved (each step runs every contender once, the order rotating), and their interquartile
   range (how noisy the median is);
 * **peak memory** per rank (max over ranks): on CPU the C allocator's bytes in use (glibc ``mallinfo2``)
@@ -69,8 +74,10 @@ Below the table, the step-time targets, each PASS or FAIL: stages 1 and 2 <= 1.0
 forward). On a 2-core machine step times are noisy (see the IQR column): compare ratios across a few runs before
 trusting a single PASS or FAIL near a limit.
 
-With CUDA it runs on each rank's GPU with NCCL (peak memory from the CUDA allocator; the traffic column
-then counts nothing, as NCCL does not write to sockets on one machine). Not yet run on a GPU.
+With CUDA it runs on each rank's GPU with NCCL, every contender's AdamW fused (peak memory from the CUDA allocator;
+the traffic column is n/a, as NCCL does not write to sockets on one machine, and so it is in a world of one, which
+sends nothing). ``benchmarks/gpu_check.py`` runs it on one GPU with a GPU-sized GPT and records the figures in
+``benchmarks/results/gpu.json``.
 
 Run (CPU, gloo)::
 
@@ -162,8 +169,14 @@ class Contender:
         return loss.item()
 
 
-def adamw(params) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+def adamw(params, fused: bool | None = None) -> torch.optim.AdamW:
+    """Every contender's AdamW; on a GPU torch's fused kernel (its fastest), on the CPU its default."""
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True if DEVICE.type == "cuda" else fused)
+
+
+def _plain(base: GPT) -> Contender:
+    model = copy.deepcopy(base)
+    return Contender(model, adamw(model.parameters()))
 
 
 def _wrap_ddp(model: torch.nn.Module) -> DistributedDataParallel:
@@ -193,16 +206,18 @@ def _zro(base: GPT) -> Contender:
     return Contender(_wrap_ddp(model), opt)
 
 
-def _fsdp2(reshard: bool) -> Callable[[GPT], Contender]:
+def _fsdp2(reshard: bool, bf16: bool = False) -> Callable[[GPT], Contender]:
     def build(base: GPT) -> Contender:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         model = copy.deepcopy(base)
         mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        extra = {"mp_policy": policy} if policy is not None else {}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **extra)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **extra)
         return Contender(model, adamw(model.parameters()))
 
     return build
@@ -231,7 +246,7 @@ def _zero(stage: int, **config) -> Callable[[GPT], Contender]:
     def build(base: GPT) -> Contender:
         model = copy.deepcopy(base)
         fused = "offload" in config  # the host step: torch's fused CPU AdamW, as ZeroOptimizer advises
-        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=fused or None)
+        inner = adamw(model.parameters(), fused=fused or None)
         return Contender(model, ZeroOptimizer(inner, model, stage=stage, **config))
 
     return build
@@ -244,6 +259,15 @@ def specs(world: int | None = None) -> list[Spec]:
         world = dist.get_world_size() if dist.is_initialized() else 1
     out = [Spec("ddp", _ddp, 0), Spec("zro", _zro, 1),
            Spec("fsdp2", _fsdp2(True), 3, gathers=2), Spec("fsdp2-keep", _fsdp2(False), 3)]
+    if world == 1:  # one process: plain PyTorch is the same training
+        out.insert(0, Spec("plain", _plain, 0))
+    if DEVICE.type == "cuda":  # bf16 peers and ours (on the CPU bf16 matmuls are slower than fp32 ones)
+        bf16 = {"param_dtype": "bf16"}
+        out += [Spec("fsdp2-bf16", _fsdp2(True, bf16=True), 3, gathers=2, param_bytes=2, low_precision=True),
+                Spec("zero-3-bf16", _zero(3, precision=bf16), 3, gathers=2, param_bytes=2, optimizer_bytes=12,
+                     low_precision=True),
+                Spec("zero-3-bf16-offload", _zero(3, precision=bf16, offload={"optimizer": "cpu", "params": "cpu"}),
+                     3, gathers=2, param_bytes=2, optimizer_bytes=12, low_precision=True)]
     if importlib.util.find_spec("deepspeed") is not None:
         out += [Spec("ds-1", _deepspeed(1), 1), Spec("ds-2", _deepspeed(2), 2),
                 Spec("ds-3", _deepspeed(3), 3, gathers=2), Spec("ds-offload", _deepspeed(2, offload=True), 2)]
@@ -272,6 +296,12 @@ def specs(world: int | None = None) -> list[Spec]:
 
 
 # ----- measuring --------------------------------------------------------------------------------------------
+
+
+def _synchronize() -> None:
+    """On a GPU, wait for everything queued: a step's time is the device's, not only the host's launches."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _bytes_written() -> int:
@@ -365,11 +395,13 @@ def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, war
             c = contenders[name]
             if real:
                 dist.barrier()
+            _synchronize()
             sent, start = _bytes_written(), time.perf_counter()
             loss = c.train_step(x, y)
+            _synchronize()
             elapsed, sent = (time.perf_counter() - start) * 1e3, _bytes_written() - sent
             if real:
-                t = torch.tensor([elapsed, loss], dtype=torch.float64)
+                t = torch.tensor([elapsed, loss], dtype=torch.float64, device=DEVICE)
                 dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
                 dist.all_reduce(t[1:])
                 elapsed, loss = float(t[0]), float(t[1]) / world
@@ -402,7 +434,7 @@ def memory(spec: Spec, base: GPT, cfg, batch: int) -> dict:
     rest = in_use() - before
     if torch.cuda.is_available():
         peak[0] = max(peak[0], torch.cuda.max_memory_allocated())
-    result = torch.tensor([peak[0] - before, rest], dtype=torch.float64)
+    result = torch.tensor([peak[0] - before, rest], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     del c
     gc.collect()
@@ -419,7 +451,7 @@ def fake_times(args: argparse.Namespace, names: list[str]) -> dict[str, float | 
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         mine = json.load(open(out.name))
-    t = torch.tensor([[mine[n] or 0.0, mine[n] is None] for n in names], dtype=torch.float64)
+    t = torch.tensor([[mine[n] or 0.0, mine[n] is None] for n in names], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a contender that failed on any rank has no fake time
     return {n: (None if failed else ms) for n, (ms, failed) in zip(names, t.tolist())}
 
@@ -471,6 +503,13 @@ def theory_sent(spec: Spec, numel: int, world: int) -> float:
     return share(g) * (reduce + spec.gathers * gather) + 2 * (r - 1) / r * numel / g * reduce
 
 
+def sent_x_theory(spec: Spec, sent: float, numel: int, world: int) -> float | None:
+    """Bytes sent over the bandwidth-optimal volume; ``None`` where nothing is to be sent (a world of one) or the
+    sockets do not see it (NCCL on one machine)."""
+    theory = theory_sent(spec, numel, world)
+    return sent / theory if theory > 0 and DEVICE.type == "cpu" else None
+
+
 def state_formula(spec: Spec, numel: int, world: int) -> float:
     """The ZeRO paper's model-state bytes per rank for the contender: HSDP shards over its group of ``shard_size``
     ranks; hpZ over every rank, plus the secondary copy of the parameters (``Ψ/shard_size``, as stored)."""
@@ -508,7 +547,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['name']:<15}{r['median_ms']:>9.1f}{r['iqr_ms']:>7.1f}{r['time_x_ddp']:>7.2f}"
                      f"{r['peak'] / 2**20:>10.1f}"
-                     f"{r['peak_x_ddp']:>7.2f}{r['state_x_formula']:>15.2f}{r['sent_x_theory']:>13.2f}"
+                     f"{r['peak_x_ddp']:>7.2f}{r['state_x_formula']:>15.2f}"
+                     + (f"{r['sent_x_theory']:>13.2f}" if r["sent_x_theory"] is not None else f"{'n/a':>13}")
                      + (f"{r['exposed']:>9.1%}" if r["exposed"] is not None else f"{'n/a':>9}")
                      + f"{r['loss_deviation']:>10.1e}")
     return "\n".join(lines)
@@ -641,7 +681,8 @@ def main() -> None:
         rows.append({
             "name": spec.name, **r, "fake_ms": fake[spec.name],
             "time_x_ddp": r["median_ms"] / ddp["median_ms"], "peak_x_ddp": r["peak"] / ddp["peak"],
-            "state_x_formula": r["model_state"] / formula, "sent_x_theory": r["sent"] / theory_sent(spec, numel, world),
+            "state_x_formula": r["model_state"] / formula,
+            "sent_x_theory": sent_x_theory(spec, r["sent"], numel, world),
             "exposed": (None if fake[spec.name] is None
                         else max(0.0, (r["median_ms"] - fake[spec.name]) / r["median_ms"])),
         })

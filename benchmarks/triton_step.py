@@ -5,12 +5,13 @@ The Triton step moves 30 bytes per element (fp32 master, m, v read and written; 
 bf16 parameter written). Its bandwidth fraction is ``30 * numel / time`` over the bandwidth of a large
 device-to-device copy (``dst.copy_(src)``: 8 bytes per fp32 element) timed in the same run. Target: >= 0.85.
 
-    python benchmarks/triton_step.py [--numel 200_000_000] [--rounds 20]
+    python benchmarks/triton_step.py [--numel 200_000_000] [--rounds 20] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import torch
@@ -36,21 +37,15 @@ def copy_bandwidth(n: int, rounds: int) -> float:
     return 8 * n / timed(lambda: dst.copy_(src), rounds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=200_000_000)
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA")
+def measure(n: int, rounds: int) -> dict:
+    """The Triton step and torch's fused step + cast on ``n`` elements, and the copy bandwidth, in one run."""
     from zero.kernels.triton_adamw import adamw_step_
 
-    n = args.numel
-    bandwidth = copy_bandwidth(n, args.rounds)
+    bandwidth = copy_bandwidth(n, rounds)
     master, m, v = torch.randn(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
     grad, low = torch.randn(n, device="cuda").bfloat16(), torch.empty(n, device="cuda", dtype=torch.bfloat16)
     hyper = dict(step=10, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    triton_s = timed(lambda: adamw_step_(master, grad, m, v, low, **hyper), args.rounds)
+    triton_s = timed(lambda: adamw_step_(master, grad, m, v, low, **hyper), rounds)
     p = master.clone().requires_grad_()
     p.grad = grad.float()
     fused = torch.optim.AdamW([p], lr=1e-4, fused=True)
@@ -59,10 +54,27 @@ def main() -> None:
         fused.step()
         low.copy_(p.detach())
 
-    torch_s = timed(torch_step, args.rounds)
-    print(f"{n:,} elements on {torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"  triton step       {triton_s * 1e3:7.2f} ms  {30 * n / triton_s / bandwidth:.2f} of copy bandwidth")
-    print(f"  torch fused+cast  {torch_s * 1e3:7.2f} ms  ({torch_s / triton_s:.2f}x the Triton step)")
+    torch_s = timed(torch_step, rounds)
+    return {"numel": n, "device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth / 1e9,
+            "triton_ms": triton_s * 1e3, "triton_x_copy_bandwidth": 30 * n / triton_s / bandwidth,
+            "torch_fused_cast_ms": torch_s * 1e3, "torch_x_triton": torch_s / triton_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=200_000_000)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    r = measure(args.numel, args.rounds)
+    print(f"{r['numel']:,} elements on {r['device']}: copy bandwidth {r['copy_bandwidth_gbs']:.0f} GB/s")
+    print(f"  triton step       {r['triton_ms']:7.2f} ms  {r['triton_x_copy_bandwidth']:.2f} of copy bandwidth")
+    print(f"  torch fused+cast  {r['torch_fused_cast_ms']:7.2f} ms  ({r['torch_x_triton']:.2f}x the Triton step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
 
 
 if __name__ == "__main__":
