@@ -92,3 +92,55 @@ def test_an_unfused_host_adam_is_pointed_to_the_fused_kernel():
     expected, _ = train(2, {}, {})
     got, _ = train(2, {"optimizer": "cpu"}, {}, fused=True)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def _gathered_buckets(opt: ZeroOptimizer) -> int:
+    """How many of the optimizer's buckets hold their whole parameters on the device right now."""
+    return sum(b.param_buffer.is_allocated for b in opt.buckets)
+
+
+@pytest.mark.parametrize("offload", [{}, {"params": "cpu"}], ids=["resident", "params-offloaded"])
+def test_close_gathers_a_bucket_at_a_time_and_gives_back_the_trained_model(offload):
+    """A model larger than the device can be given back (issue 34): close() never holds more than two gathered
+    buckets on the device (one waited for, the next in flight), and with offload.params the whole parameters go
+    where the shards were."""
+    expected, _ = train(3, offload, {})
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1), model, stage=3,
+                        offload=offload, bucket_size_mb=1e-4)
+    train_net(model, opt, 4)
+    most = [0]
+    unshard = opt.runtime.stage.unshard
+
+    def counting(bucket, comm, **kwargs):
+        handle = unshard(bucket, comm, **kwargs)
+        most[0] = max(most[0], _gathered_buckets(opt))
+        return handle
+
+    opt.runtime.stage.unshard = counting  # (this optimizer's own stage object: what close() gathers through)
+    opt.close()
+    assert len(opt.buckets) >= 3 and most[0] == 2, most[0]  # (more buckets than the window)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), expected)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_gathered_parameters_with_offloaded_parameters_holds_them_on_the_host_and_takes_edits():
+    """offload.params: the whole model is gathered into host memory, a bucket at a time, and nothing stays gathered
+    on the device while the user holds it; edits reach the shards as they do without offload."""
+    runs = {}
+    for name, offload in (("resident", {}), ("offloaded", {"params": "cpu"})):
+        model = Net()
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), model, stage=3, offload=offload,
+                            bucket_size_mb=1e-4)
+        train_net(model, opt, 2)
+        with opt.gathered_parameters(modifier_rank=0):
+            if name == "offloaded":
+                assert _gathered_buckets(opt) == 0
+            before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+            with torch.no_grad():
+                model.head.weight.mul_(1.5)
+        train_net(model, opt, 2, first=2)
+        runs[name] = before, flat_params(model, opt)
+    assert torch.equal(runs["offloaded"][0], runs["resident"][0])
+    assert torch.equal(runs["offloaded"][1], runs["resident"][1])
+    assert not torch.equal(runs["offloaded"][1], train(3, {"params": "cpu"}, {})[0])  # (the edit counted)

@@ -1,5 +1,7 @@
 """Whole parameters outside forward (``ZeroOptimizer.gathered_parameters``): gather the units that hold them,
-and on exit share one rank's edits (optional), write the edits back into each rank's shard and release."""
+and on exit share one rank's edits (optional), write the edits back into each rank's shard and release. With
+``offload.params`` the whole parameters are gathered into host memory instead, one bucket at a time, so that a model
+larger than the device can be read and edited whole."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import torch
 
 from zero.comm import Communicator
 from zero.runtime.bucket import Bucket
+from zero.runtime.placement import HOST
 from zero.runtime.reducer import GradState
 from zero.runtime.runtime import Runtime, wait_all
+from zero.runtime.sharded_param import set_data
 
 Targets = torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Module | torch.nn.Parameter] | None
 
@@ -28,6 +32,10 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
         _check_modifier(modifier_rank, runtime.comm)
     buckets = buckets_of(runtime, targets)
     units = gatherer.units_of(s.param for b in buckets for s in b.slots)
+    if runtime.placements.params_offloaded:
+        with _gathered_on_host(runtime, units, modifier_rank):
+            yield
+        return
     for unit in units:
         if not runtime.comm.codec.exact_gather:
             gatherer.reshard(unit)  # a unit a forward left gathered holds quantized values: gather it exactly
@@ -47,6 +55,43 @@ def gathered_parameters(runtime: Runtime, targets: Targets, modifier_rank: int |
                 stage.detach_storage(bucket)
             gatherer.forget(unit)
             gatherer.reshard(unit)
+
+
+@contextmanager
+def _gathered_on_host(runtime: Runtime, units: list, modifier_rank: int | None) -> Iterator[None]:
+    """``offload.params``: the whole parameters in host memory, where their shards live, gathered one bucket at a
+    time on the device (the model may be larger than the device); on exit each rank's chunk of the edits goes
+    straight into its shard (a modifier's edits reach the others through the device, again one bucket at a time)."""
+    gatherer, stage, comm = runtime.gatherer, runtime.stage, runtime.comm
+    buckets = [b for unit in units for b in unit.buckets]
+    for unit in units:
+        gatherer.reshard(unit)  # (the root may still be gathered on the device)
+    wholes = {}
+    for bucket in buckets:
+        stage.unshard(bucket, comm, exact=True).wait()
+        stage.end_unshard(bucket)
+        wholes[bucket] = bucket.param_buffer.data.to(HOST, copy=True)
+        bucket.param_buffer.free()
+        for slot in bucket.slots:
+            set_data(slot.param, wholes[bucket].narrow(0, slot.span.offset, slot.span.numel).view(slot.param.shape),
+                     sharded=False)
+    try:
+        yield
+    finally:
+        for bucket in buckets:
+            whole = wholes[bucket]
+            if modifier_rank is not None:
+                staged = whole.to(comm.device)
+                what = f"broadcast of rank {modifier_rank}'s edited {bucket}"
+                comm.broadcast(staged, modifier_rank, what=what).wait()
+                whole.copy_(staged)
+            start, end = bucket.layout.chunk_range(bucket.shard_index)
+            with torch.no_grad():
+                bucket.shard.copy_(whole.narrow(0, start, end - start))
+            for slot in bucket.slots:
+                set_data(slot.param, slot.placeholder, sharded=True)
+        for unit in units:
+            gatherer.forget(unit)
 
 
 def _check_modifier(rank: int, comm: Communicator) -> None:

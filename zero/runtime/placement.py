@@ -204,6 +204,12 @@ class Placements:
         return self.optimizer is not self.device
 
     @property
+    def params_offloaded(self) -> bool:
+        """Stage 3's parameter shards live off the device (``offload.params``): whole parameters given back or
+        gathered outside training go there too, never all on the device at once."""
+        return self.shard is not self.device
+
+    @property
     def disk(self) -> Placement | None:
         """The disk placement, if a side is on disk."""
         return next((p for p in (self.optimizer, self.shard) if p.where is Where.DISK), None)

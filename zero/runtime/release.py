@@ -2,7 +2,8 @@
 
 Closing removes every hook the optimizer put on the model and its parameters and, at stage 3,
 gathers every parameter (a collective: every rank closes) into a plain ``nn.Parameter`` of its
-own, whole, with its identity kept; gradients behind guards are dropped. At stages 0-2 the
+own, whole, with its identity kept, bucket by bucket (with ``offload.params``, into host memory:
+the model may be larger than the device); gradients behind guards are dropped. At stages 0-2 the
 parameters are whole already (views of the optimizer's flat buffers, which they keep alive).
 
 A stage-3 optimizer dropped without ``close()`` cannot gather in its finalizer: a collective
@@ -23,6 +24,7 @@ from torch import nn
 
 from zero.comm import Communicator
 from zero.runtime.bucket import Bucket
+from zero.runtime.placement import HOST
 
 
 class ModelRelease:
@@ -66,15 +68,23 @@ class ModelRelease:
 
     def unshard_all(self) -> None:
         """Gather every sharded bucket and turn each of its parameters into a whole ``nn.Parameter`` (a unit still
-        gathered when its optimizer was dropped is gathered again: its shards are what counts)."""
+        gathered when its optimizer was dropped is gathered again: its shards are what counts).
+
+        One bucket at a time, the next one's gather in flight: the device never holds more than two gathered
+        buckets beyond the parameters given back, and with ``offload.params`` those go where the shards were (host
+        memory), so a model larger than the device can be given back."""
         for bucket in self.sharded:
             bucket.param_buffer.abandon()
-        handles = [self.stage.unshard(bucket, self.comm, exact=True) for bucket in self.sharded]
-        for bucket, handle in zip(self.sharded, handles):
-            handle.wait()
+        handles = {}
+        for i, bucket in enumerate(self.sharded):
+            for ahead in self.sharded[i : i + 2]:
+                if ahead not in handles:
+                    handles[ahead] = self.stage.unshard(ahead, self.comm, exact=True)
+            handles.pop(bucket).wait()
             self.stage.end_unshard(bucket)
+            home = HOST if bucket.placements.params_offloaded else None
             for slot in bucket.slots:
-                whole = slot.view.detach().clone()
+                whole = slot.view.detach().to(home or slot.view.device, copy=True)
                 param = slot.param
                 param.__class__ = nn.Parameter
                 with torch.no_grad():
