@@ -8,7 +8,8 @@
 * ``stages``: what each ZeRO stage keeps and which transitions it takes (policies over the buckets);
 * ``reducer``, ``gatherer`` (and ``backward_pass``, ``post_backward``, ``saved_params``): the hooks that
   reduce gradients and gather stage-3 parameters, overlapped with forward and backward;
-* ``stepper``, ``delayed``, ``loss_scaler``, ``inner``: the optimizer step over this rank's shard;
+* ``stepper`` (and ``flat_step``, the Triton step of a whole bucket), ``delayed``, ``loss_scaler``, ``inner``: the
+  optimizer step over this rank's shard;
 * ``build``: assembles all of it for the facade in :mod:`zero.optimizer`.
 
 Collectives are only in :mod:`zero.comm`.
