@@ -4,6 +4,7 @@ reference, alone and inside ``ZeroOptimizer`` against the torch step. Prints ``o
 
 from __future__ import annotations
 
+import copy
 import os
 
 assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -76,7 +77,38 @@ def inside_the_optimizer() -> None:
             assert torch.equal(bucket.shard, bucket.master.to(torch.bfloat16))
 
 
+def resumed_from_a_state_dict() -> None:
+    """The Triton step's flat state through ``state_dict()``/``load_state_dict()``: a fresh optimizer loaded after two
+    steps (its state replaced, copied into the flat buffers at its next step, its step counts read once) continues
+    bit for bit as the one that went on."""
+
+    def build() -> tuple[torch.nn.Module, ZeroOptimizer]:
+        model = Net()
+        return model, ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model, stage=2,
+                                    step_kernel="triton", precision={"param_dtype": "bf16"})
+
+    def steps(model, opt, which) -> None:
+        for step in which:
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            opt.backward(model(x, use_aux=step % 2 == 1).float())
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    steps(model, opt, range(2))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # (its tensors are live views)
+    steps(model, opt, range(2, 5))
+    model2, opt2 = build()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    steps(model2, opt2, range(2, 5))
+    assert torch.equal(torch.cat(opt.state_dict()["master"]), torch.cat(opt2.state_dict()["master"]))
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert float(a["step"]) == float(b["step"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
 if __name__ == "__main__":
     kernel_against_reference()
     inside_the_optimizer()
+    resumed_from_a_state_dict()
     print("ok")
