@@ -148,3 +148,37 @@ def tiny_hf(family: str, seed: int = 0, **config):
         raise ValueError(family)
     torch.manual_seed(seed)
     return build(cfg)
+
+
+class _Inner(nn.Module):
+    """Not a unit: takes its parent's hidden state and a tensor the parent made in fp32."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, cast) -> torch.Tensor:
+        return self.proj(cast(x + y))  # a bf16 activation plus an fp32 tensor: fp32 (type promotion)
+
+
+class FreshTensors(nn.Module):
+    """Floating tensors made in fp32 inside forward reaching modules that compute in bf16 (the mixed-precision peer
+    tests' cases): a tensor of the default dtype passed to a submodule (``torch.ones``, FSDP2's
+    ``test_submodules_with_external_inputs``), added to a bf16 activation, and a value cast up for numerics
+    (``x.float()``) before an activation-checkpointed ``Linear``. ``recipe=True``: the hand-built bf16 recipe of it,
+    each fp32 tensor cast to bf16 by hand where it enters a module holding parameters (``zero`` casts it there).
+    Input ``(N, width)``. Not seeded: seed before building."""
+
+    def __init__(self, recipe: bool = False, width: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.inner = _Inner(width)
+        self.ckpt = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+        self.cast = (lambda t: t.to(torch.bfloat16)) if recipe else (lambda t: t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = torch.tanh(self.inner(h, 0.1 * torch.ones(h.shape), self.cast))
+        h = checkpoint(self.ckpt, self.cast(h.float()), use_reentrant=False)
+        return self.head(torch.tanh(h)).float().square().mean()

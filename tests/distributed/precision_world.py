@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.readouts import master_weights, settled_live_bytes
 from tests.recipes import MasterRecipe, grad_scaler_run
-from tests.toy import Net, batch
+from tests.toy import FreshTensors, Net, batch
 from zero import ZeroOptimizer
 from zero.memory import live_tensor_bytes
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
@@ -142,8 +142,34 @@ def mixed_memory(rank: int, world_size: int, stage: int, reduce_dtype: str) -> d
     }
 
 
+def fresh_tensors(rank: int, world_size: int, mode: str) -> torch.Tensor:
+    """``FreshTensors`` under bf16 (issue 37): ``mode`` "reference" (its recipe in one process, whole batch),
+    "ddp" (the recipe under DDP) or "stage{0..3}" (ZeroOptimizer, which casts where the recipe casts by hand); this
+    rank's view of the masters after 4 AdamW steps."""
+    torch.manual_seed(0)
+    if mode in ("reference", "ddp"):
+        r = MasterRecipe(FreshTensors(recipe=True), torch.bfloat16, _adamw)
+        forward = DistributedDataParallel(r.low) if mode == "ddp" else r.low
+        for step in range(4):
+            x = batch(step) if mode == "reference" else local_slice(batch(step), rank, world_size)
+            forward(x.bfloat16()).backward()
+            r.grads_to_master()
+            r.step()
+        return r.flat()
+    model = FreshTensors()
+    opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=int(mode[-1]), precision={"param_dtype": "bf16"},
+                        bucket_size_mb=1e-4)
+    for step in range(4):
+        opt.backward(model(local_slice(batch(step), rank, world_size)))
+        opt.step()
+        opt.zero_grad()
+    return master_weights(opt)
+
+
 def precision_checks(rank: int, world_size: int) -> dict:
     out = {"bf16": bf16_parity(rank, world_size)}
+    modes = ("ddp", *(f"stage{stage}" for stage in STAGES)) + (("reference",) if rank == 0 else ())
+    out["fresh"] = {mode: fresh_tensors(rank, world_size, mode) for mode in modes}
     if rank == 0:
         out["grad_scaler"] = grad_scaler_reference()
     out["fp16"] = {stage: fp16_overflows(rank, world_size, stage) for stage in STAGES}

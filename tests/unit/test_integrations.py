@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from tests.distributed.integrations_world import gpt2  # noqa: E402
+from tests.toy import FreshTensors, batch  # noqa: E402
 from zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 from zero.integrations import accelerate as zacc  # noqa: E402
 from zero.integrations.transformers import ZeroTrainer  # noqa: E402
@@ -82,3 +83,30 @@ def test_accelerate_helper_refuses_an_accelerator_that_sees_another_world():
     model = gpt2()
     with pytest.raises(ValueError, match=r"Accelerate sees 2 process\(es\).*Accelerator\(cpu=True\)"):
         zacc.prepare(TwoProcessAccelerator(), model, torch.optim.AdamW(model.parameters()))
+
+
+class _FreshTensorsLM(torch.nn.Module):
+    """``tests.toy.FreshTensors`` the Trainer's way: ``forward(x)`` returns ``{"loss": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = FreshTensors()
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"loss": self.net(x)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_trainer_trains_a_model_that_makes_fp32_tensors_inside_forward_under_bf16(tmp_path, stage):
+    """Issue 37 on the Trainer's path: fp32 tensors made inside forward reach bf16 modules (without the casts at their
+    entry: "mat1 and mat2 must have the same dtype")."""
+    data = [{"x": row} for row in torch.cat([batch(step) for step in range(2)])]
+    trainer = ZeroTrainer(model=_FreshTensorsLM(), train_dataset=data,
+                          args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+                                     logging_steps=1, save_strategy="no"),
+                          zero_config=ZeroConfig(stage=stage, precision={"param_dtype": "bf16"}))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.zero_optimizer.runtime.config.precision.param_dtype == "bf16"

@@ -258,8 +258,9 @@ def test_cast_forward_inputs_can_be_turned_off(stage):
     opt.backward(model(batch(0).bfloat16()))
     opt.step()
     opt.zero_grad()
-    with pytest.raises(RuntimeError, match="dtype"):
-        model(batch(1))  # fp32 input, bf16 weights: torch's own error
+    with pytest.raises(ValueError, match=r"module 'blocks.0' \(Linear\) computes in torch.bfloat16 .* received a "
+                                         r"torch.float32 tensor, and precision.cast_forward_inputs=False"):
+        model(batch(1))  # fp32 input, bf16 weights: refused where it enters, naming the setting
 
 
 def test_policy_errors_name_the_field():

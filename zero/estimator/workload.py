@@ -20,7 +20,7 @@ from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
 from zero.estimator.traffic import Wire
-from zero.precision import DTYPES, MixedPrecision, full_precision_parameters
+from zero.precision import DTYPES, MixedPrecision, full_precision_parameters, input_casts
 from zero.runtime.bucket import adopt_edits_
 from zero.runtime.disk import planned_disk_bytes
 from zero.runtime.paging import per_element_state
@@ -98,11 +98,13 @@ class Workload:
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
                 policy = POLICIES[precision]
-                if policy.enabled:  # as ZeroOptimizer casts the managed parameters
-                    full = full_precision_parameters(model)
+                if policy.enabled:  # as ZeroOptimizer casts the managed parameters, and the inputs of its units
+                    full = full_precision_parameters(model)  # and of the modules computing in param_dtype
                     for p in model.parameters():
                         if p not in full and p.is_floating_point():
                             p.data = p.data.to(DTYPES[policy.param_dtype])
+                    units = plan_units(model, list(model.parameters()), unit_classes=None, unit_size_bytes=None)
+                    input_casts(model, DTYPES[policy.param_dtype], cast=True, units=[u.name for u in units if u.name])
                 if key[1]:
                     checkpoint_activations(model, ActivationCheckpointing.model_validate_json(key[1]))
             self._models[key] = model

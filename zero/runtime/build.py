@@ -24,10 +24,10 @@ from zero.hierarchy import codec_of, hierarchical
 from zero.offload import check_host_memory, warn_unfused_host_step
 from zero.precision import (
     DTYPES,
-    UnitInputCast,
     cast_unmanaged_parameters,
     check_device_supports,
     full_precision_parameters,
+    input_casts,
 )
 from zero.runtime.delayed import DelayedStep
 from zero.runtime.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
@@ -231,14 +231,18 @@ def _gatherer(
 
 
 def _input_casts(runtime: Runtime, partition: Partition) -> list:
-    """Mixed precision: the root's and each unit's floating-point inputs cast to ``param_dtype``."""
+    """Mixed precision: the root's floating-point inputs cast to ``param_dtype``, and those of each unit and of each
+    module computing in it (``zero.precision.input_casts``; refused by name with ``cast_forward_inputs=False``)."""
     precision, model = runtime.config.precision, runtime.module
-    if not (precision.enabled and precision.cast_forward_inputs):
+    if not precision.enabled:
         return []
     units = partition.units or _unit_planner(model, runtime.config)(list(model.parameters()))
-    cast = UnitInputCast(DTYPES[precision.param_dtype])
-    hooks = [model.register_forward_pre_hook(weak_hook(runtime.cast_forward_inputs), with_kwargs=True)]
-    return hooks + [unit.module.register_forward_pre_hook(cast, with_kwargs=True) for unit in units if unit.name]
+    hooks = input_casts(model, DTYPES[precision.param_dtype], precision.cast_forward_inputs,
+                        units=[unit.name for unit in units if unit.name])
+    if precision.cast_forward_inputs:
+        hooks.append(model.register_forward_pre_hook(weak_hook(runtime.cast_forward_inputs), with_kwargs=True,
+                                                     prepend=True))
+    return hooks
 
 
 def _broadcast_module_states(model: torch.nn.Module, comm: Communicator, skip: set) -> None:
