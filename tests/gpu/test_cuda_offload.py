@@ -7,26 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import CFG, train
+from tests.gpu.common import CFG, bf16_recipe, train
 from tests.readouts import master_weights
-from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
-from zero.models import GPT, synthetic_batch
+from zero.models import GPT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 STEPS = 4
-
-
-def _recipe_on_the_host() -> torch.Tensor:
-    torch.manual_seed(0)
-    r = MasterRecipe(GPT(CFG).cuda(), torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=1e-3),
-                     master_device="cpu")
-    for step in range(STEPS):
-        x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
-        r.low.loss(x, y).backward()
-        r.grads_to_master()
-        r.step()
-    return r.flat()
 
 
 def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
@@ -47,7 +34,7 @@ def _train(stage: int, offload: dict) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("stage,what", [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")])
 def test_cuda_offload_equals_the_recipe_stepped_on_the_host_and_frees_the_gpu(nccl_world_of_one, stage, what):
     got, with_offload = _train(stage, {what: "cpu"})
-    assert torch.equal(got, _recipe_on_the_host())
+    assert torch.equal(got, bf16_recipe(STEPS, master_device="cpu"))
     _, on_gpu = _train(stage, {})
     assert with_offload < on_gpu / 2  # master, m and v (12 of 16 bytes per parameter) left the GPU
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import CFG
+from tests.gpu.common import CFG, bf16_recipe
 from tests.readouts import master_weights
-from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
 from zero.estimator.estimator import model_states
 from zero.models import GPT, synthetic_batch
@@ -18,23 +17,11 @@ from zero.models import GPT, synthetic_batch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _recipe(steps: int) -> torch.Tensor:
-    """A bf16 copy for forward/backward, fp32 gradients on fp32 masters, AdamW, cast back."""
-    torch.manual_seed(0)
-    r = MasterRecipe(GPT(CFG).cuda(), torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=1e-3))
-    for step in range(steps):
-        x, y = (t.cuda() for t in synthetic_batch(step, 4, CFG))
-        r.low.loss(x, y).backward()
-        r.grads_to_master()
-        r.step()
-    return r.flat()
-
-
 @pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("force", [False, True], ids=["fast_path", "real_collectives"])
 def test_cuda_bf16_matches_the_recipe_and_the_formula(nccl_world_of_one, stage, force, steps):
-    expected = _recipe(steps)
+    expected = bf16_recipe(steps)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.manual_seed(0)
