@@ -235,6 +235,10 @@ class _Reader:
             if device not in ("cpu", "none", "nvme"):
                 raise ValueError(f"DeepSpeed key {path}={device!r}: zero offloads to 'cpu', 'nvme' (or 'none')")
             offload[ours] = "disk" if device == "nvme" else device
+            if key == "offload_optimizer":  # ZeRO-Offload++: the fraction stepped on the host (partial offload)
+                ratio = self.get(section, f"{ZO}.offload_optimizer.ratio", float, 1.0)
+                if ratio != 1.0:
+                    offload["ratio"] = ratio
             if device == "nvme":
                 disk[key] = (self.get(section, f"{ZO}.{key}.nvme_path", str, None),
                              self.get(section, f"{ZO}.{key}.buffer_count", int, None))

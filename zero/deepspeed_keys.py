@@ -66,7 +66,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     f"{ZO}.cpu_offload": ((False,), "deprecated in DeepSpeed: write offload_optimizer: {'device': 'cpu'}"),
     f"{ZO}.cpu_offload_param": ((False,), "deprecated in DeepSpeed: write offload_param: {'device': 'cpu'}"),
     f"{ZO}.cpu_offload_use_pin_memory": ((False,), "deprecated in DeepSpeed: use offload_*.pin_memory"),
-    f"{ZO}.offload_optimizer.ratio": ((1, 1.0), "partial optimizer offload is not supported: zero offloads it all"),
     "fp16.loss_scale": ((0, 0.0), "static loss scaling is not supported: zero scales dynamically (use 0)"),
     "fp16.fp16_master_weights_and_grads": ((False,), "zero keeps fp32 master weights and gradients"),
     "bf16.bf16_master_weights_and_grads": ((False,), "zero keeps fp32 master weights and gradients"),
@@ -93,7 +92,7 @@ MAPPED = {
     f"{ZO}.offload_param", f"{ZO}.offload_optimizer.device", f"{ZO}.offload_param.device",
     f"{ZO}.zero_quantized_weights", f"{ZO}.zero_quantized_gradients", f"{ZO}.zero_hpz_partition_size",
     f"{ZO}.offload_optimizer.nvme_path", f"{ZO}.offload_param.nvme_path", f"{ZO}.offload_optimizer.buffer_count",
-    f"{ZO}.offload_param.buffer_count",
+    f"{ZO}.offload_param.buffer_count", f"{ZO}.offload_optimizer.ratio",
     "fp16.enabled", "fp16.auto_cast", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
     "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
 }

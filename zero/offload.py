@@ -16,6 +16,11 @@ Host buffers are pinned when the model is on a GPU, so that copies to and from i
 asynchronously. The arithmetic is unchanged: the same optimizer steps the same fp32 values, so
 offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
 
+With ``ratio`` below 1 (ZeRO-Offload++'s Twin-Flow, DeepSpeed's ``offload_optimizer.ratio``) only that fraction of
+the buckets is offloaded, whole: the first ones backward reduces (their gradients go down while backward goes on),
+and the rest stay on the device, where they step with the device's kernel while the host steps its part
+(``zero.runtime.placement.Placements.split``). ``ratio=0`` is no offload, bit for bit.
+
 With ``"disk"`` (ZeRO-Infinity) the same buffers, and the wrapped optimizer's per-element state, live in one
 preallocated, memory-mapped file per rank under ``path``; at most ``buffer_count`` buckets of them are mapped in
 host memory at a time, read ahead of their step and written back after it (``zero.runtime.disk``).
@@ -60,6 +65,14 @@ class Offload(BaseModel):
         "the ones read ahead).",
     )
 
+    ratio: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="With 'cpu': the fraction of each rank's optimizer side (and, with params='cpu', of its "
+        "parameter shards) that lives in host memory, in whole buckets: the first buckets to be reduced in "
+        "backward go to the host, the rest stay on the device and step there with the device kernel while the "
+        "host steps its part (DeepSpeed's offload_optimizer.ratio, ZeRO-Offload++'s Twin-Flow). 1: everything "
+        "offloaded; 0: nothing.",
+    )
     delayed_step: bool = Field(
         False,
         strict=True,
@@ -79,6 +92,23 @@ class Offload(BaseModel):
             raise ValueError(
                 "offload.delayed_step=True steps every bucket at once in a background thread, which would map the "
                 "whole optimizer side from disk into host memory; use it with optimizer='cpu', not 'disk'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ratio_needs_cpu_offload(self) -> "Offload":
+        if self.ratio == 1.0:
+            return self
+        if not self.optimizer_on_host or self.on_disk:
+            raise ValueError(
+                f"offload.ratio={self.ratio} splits the optimizer side between host memory and the device, so it "
+                "needs offload.optimizer='cpu' (not 'disk', not unset), e.g. offload={'optimizer': 'cpu', 'ratio': "
+                "0.5}"
+            )
+        if self.delayed_step:
+            raise ValueError(
+                "offload.delayed_step=True delays the whole step; with offload.ratio below 1 part of it steps on the "
+                "device at once. Use one or the other"
             )
         return self
 

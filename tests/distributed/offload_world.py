@@ -100,6 +100,11 @@ def offload_checks(rank: int, world_size: int) -> dict:
             for stage, what in CASES
             for name, p in PRECISIONS.items()
         },
+        "partial": {  # offload.ratio: half the buckets' optimizer side (and parameter shards) on the host
+            (stage, what, name): (run(rank, world_size, stage, {what: "cpu", "ratio": 0.5}, p), plain[stage, name])
+            for stage, what in CASES
+            for name, p in PRECISIONS.items()
+        },
         "disk": {key: (got, plain[key[0], key[2]]) for key, got in on_disk.items()},
         "disk_left": left,
         "memory": {(stage, what): split_memory(rank, world_size, stage, what) for stage, what in CASES},

@@ -20,6 +20,17 @@ def test_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
 
 @pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_partial_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
+    """offload.ratio=0.5: the first buckets on the host, the rest stepped on the device (on the CPU, with the same
+    kernels: every number unchanged), with no_sync accumulation and clipping, every rank (uneven shards at 3)."""
+    _, results = world
+    for rank, result in enumerate(results):
+        partial, on_device = result["offload"]["partial"][(stage, what, precision)]
+        assert torch.equal(partial, on_device), f"rank {rank}"
+
+
+@pytest.mark.parametrize("stage,what", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_disk_offload_equals_no_offload_bit_for_bit(world, stage, what, precision):
     """Offload to disk (a file per rank, uneven shards at 3 ranks) changes no number either."""
     _, results = world

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import re
@@ -90,17 +91,17 @@ def test_large_micro_batches_are_extrapolated_exactly():
 
 
 def test_the_step_trace_prices_the_wrapped_optimizer():
-    """AdamW keeps 8 bytes per element (+ a step count per piece); SGD with momentum 4; its temporaries
-    (AdamW's per-tensor step: sqrt and division of the largest piece) are what the fake step made."""
+    """AdamW keeps 8 bytes per element and a 4-byte step count per piece; SGD with momentum 4 per element; its
+    temporaries (AdamW's per-tensor step: sqrt and division of the largest piece) are what the fake step made."""
     workload = _gpt_workload()
     layout = workload.layout(1, 2)
     adam = workload.step(layout)
-    assert 8 <= adam.state_per_element < 8.01
+    assert adam.state_per_element == 8 and adam.state_per_piece == 4
     largest = max(p for b in layout.buckets for p in b.pieces)
     assert 8 * largest <= adam.update < 9 * largest
     sgd = Workload(lambda: GPT(SMALL), _gpt_loss, lambda m: synthetic_batch(0, m, SMALL),
                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)).step(layout)
-    assert sgd.state_per_element == 4 and sgd.adopt == 0
+    assert sgd.state_per_element == 4 and sgd.state_per_piece == 0 and sgd.adopt == 0
 
 
 @pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
@@ -430,6 +431,7 @@ def test_the_estimate_table_chooses_units_by_magnitude_and_json_holds_whole_byte
     for e in entries:
         assert all(type(v) is int for v in [*e["categories"].values(), e["host"], e["peak"]]), e
         assert e["peak"] == sum(e["categories"].values())
-    fractional = estimate(_gpt_workload(), stage=3, world_size=3, micro_batch=1, precision="mixed")
-    assert fractional.optimizer_state != int(fractional.optimizer_state)  # Adam's state per element, a float
-    assert fractional.as_dict()["categories"]["optimizer_state"] == round(fractional.optimizer_state)
+    exact = estimate(_gpt_workload(), stage=3, world_size=3, micro_batch=1, precision="mixed")
+    assert exact.optimizer_state == int(exact.optimizer_state)  # per element and per piece: whole bytes now
+    fractional = dataclasses.replace(exact, categories={**exact.categories, "optimizer_state": 1234.6})
+    assert fractional.as_dict()["categories"]["optimizer_state"] == 1235  # (a fractional figure is rounded)

@@ -207,6 +207,7 @@ class Estimate:
     optimizer_offload: str = "none"  # where the optimizer's side lives: "none" (the device), "cpu" or "disk"
     params_offload: str = "none"  # stage 3's parameter shards: "none" (the device), "cpu" or "disk"
     buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
+    offload_ratio: float = 1.0  # partial offload: the share of the optimizer side offloaded (offload.ratio)
     communication_config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig(communication=...) (no defaults)
     group_size: int = 0  # ranks the model states are sharded over: world_size, or HSDP's shard_size
     secondary_size: int = 0  # hpZ: ranks of a group holding the secondary copies (shard_size), else 0
@@ -245,6 +246,7 @@ def estimate(
     params_offload: str = "none",
     buffer_count: int = 2,
     communication: CommunicationArg = None,
+    offload_ratio: float = 1.0,
 ) -> Estimate:
     """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
@@ -261,7 +263,8 @@ def estimate(
     device), ``"cpu"`` (``ZeroConfig(offload={"optimizer": "cpu"})``) or ``"disk"`` (``{"optimizer": "disk", "path":
     ...}``; ``False`` and ``True`` read as ``"none"`` and ``"cpu"``), stages 1-3; ``params_offload``: stage 3's
     parameter shards, ``"cpu"`` or ``"disk"`` (``offload={"params": ...}``, which takes the optimizer's side along);
-    ``buffer_count``: with disk, how many buckets are mapped in host memory at a time. The estimate's ``categories``
+    ``buffer_count``: with disk, how many buckets are mapped in host memory at a time; ``offload_ratio``: with
+    ``"cpu"``, the share of it offloaded, in whole buckets (``offload={"ratio": ...}``). The estimate's ``categories``
     are device memory, ``host`` host memory (with disk: ``buffer_count`` of the largest buckets' files) and ``disk``
     the offload file. ``no_sync``: gradient accumulation with earlier micro-batches under ``opt.no_sync()`` (the
     Trainer's and Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces
@@ -279,7 +282,7 @@ def estimate(
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     _precision(precision)
-    choice = offload_choice(offload, params_offload, stage, buffer_count)
+    choice = offload_choice(offload, params_offload, stage, buffer_count, offload_ratio)
     policy, group = communication_policy(communication, world_size)
     check_stage(policy, stage)
     secondary = secondary_size(policy, world_size)
@@ -294,7 +297,7 @@ def estimate(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=choice.offloaded,
         checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
         module=peak.module, event=peak.event, disk=peak.off.disk, optimizer_offload=choice.optimizer,
-        params_offload=choice.params, buffer_count=choice.buffer_count,
+        params_offload=choice.params, buffer_count=choice.buffer_count, offload_ratio=choice.ratio,
         communication_config=policy.model_dump(exclude_defaults=True), group_size=group, secondary_size=secondary,
         traffic=step_traffic(stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy, group,
                              world_size, regathers=peak.regathers, secondary=secondary),

@@ -38,10 +38,11 @@ class OffloadChoice:
     optimizer: str = "none"  # where the optimizer's side lives: "none" (the device), "cpu" or "disk"
     params: str = "none"  # stage 3's parameter shards: "none", "cpu" or "disk"
     buffer_count: int = 2
+    ratio: float = 1.0  # partial offload: the share of the buckets' elements whose optimizer side is off the device
 
     @property
     def offloaded(self) -> bool:
-        return self.optimizer != "none"
+        return self.optimizer != "none" and self.ratio > 0
 
     @property
     def on_disk(self) -> bool:
@@ -50,7 +51,7 @@ class OffloadChoice:
     def policy(self) -> Offload:
         """The ``zero.Offload`` that runs this choice (with :data:`DISK_PATH` as its directory when on disk)."""
         return Offload(optimizer=self.optimizer, params=self.params, buffer_count=self.buffer_count,
-                       path=DISK_PATH if self.on_disk else None)
+                       path=DISK_PATH if self.on_disk else None, ratio=self.ratio)
 
     def placements(self) -> Placements:
         """The runtime's placements for this choice on the estimator's (fake) CPU model; disk is a placement whose
@@ -63,11 +64,12 @@ class OffloadChoice:
         return self.policy().model_dump(exclude_defaults=True)
 
 
-def offload_choice(offload: OffloadArg, params_offload: str, stage: int, buffer_count: int = 2) -> OffloadChoice:
+def offload_choice(offload: OffloadArg, params_offload: str, stage: int, buffer_count: int = 2,
+                   ratio: float = 1.0) -> OffloadChoice:
     """``estimate()``'s offload arguments checked as ``ZeroConfig`` checks ``offload=`` (``ValueError`` naming the fix):
     ``offload`` is where the optimizer's side goes (``False``/``True`` read as ``"none"``/``"cpu"``),
     ``params_offload`` where stage 3's parameter shards go, which takes the optimizer's side off the device too
-    (to disk with ``"disk"``, else to host memory)."""
+    (to disk with ``"disk"``, else to host memory); ``ratio`` the share of it offloaded (``offload.ratio``)."""
     optimizer = ("cpu" if offload else "none") if isinstance(offload, bool) or offload is None else offload
     if optimizer not in OFFLOADS:
         raise ValueError(f"offload must be 'none', 'cpu' or 'disk' (False and True read as 'none' and 'cpu'), "
@@ -88,7 +90,10 @@ def offload_choice(offload: OffloadArg, params_offload: str, stage: int, buffer_
     if optimizer != "none" and stage == 0:
         raise ValueError("offload needs stage 1, 2 or 3: stage 0 keeps the whole optimizer state on every rank. "
                          "Use stage 1 or higher, or offload='none'.")
-    return OffloadChoice(optimizer, params_offload, buffer_count)
+    if ratio != 1.0 and (optimizer != "cpu" or not 0 <= ratio <= 1):
+        raise ValueError(f"offload_ratio={ratio!r} is the share of the optimizer side offloaded to host memory: a "
+                         "number from 0 to 1, with offload='cpu' (not 'disk')")
+    return OffloadChoice(optimizer, params_offload, buffer_count, ratio)
 
 
 def host_bytes(plan: BucketPlan) -> int:

@@ -24,7 +24,7 @@ off the device is reported beside it (:mod:`zero.estimator.offloading`): host me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.gathering import gathering as replay_gathering
@@ -52,6 +52,8 @@ class BucketBytes:
     host: int = 0  # its buffers the plan puts in host memory (offload to the CPU)
     disk: int = 0  # the offload file's bytes for it: its buffers there and its optimizer state (page-rounded)
     wire: Wire | None = None  # what its collectives move (zero.estimator.traffic)
+    offloaded: bool = False  # its optimizer side (master, state, the step) is off the device
+    shard_off_device: bool = False  # stage 3: its parameter shard is off the device
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,13 @@ class StepTrace:
     state_per_element: float  # bytes of optimizer state kept per element stepped
     adopt: float  # bytes: the largest temporaries while one bucket's masters adopt edits (mixed precision)
     update: float  # bytes: the largest temporaries while the wrapped optimizer steps one bucket (steady state)
+    state_per_piece: float = 0.0  # bytes of optimizer state kept per piece stepped, whatever its size (step counts)
+
+    def state(self, buckets: Iterable[BucketBytes]) -> float:
+        """The optimizer state the wrapped optimizer keeps for ``buckets``' pieces."""
+        buckets = list(buckets)
+        return (self.state_per_element * sum(b.elements for b in buckets)
+                + self.state_per_piece * sum(len(b.pieces) for b in buckets))
 
 
 @dataclass(frozen=True)
@@ -194,7 +203,7 @@ class _Reduction:
         elif id(bucket) in self.packets:  # decoded while its packets are held; they go with the wait
             self._at(self.options.codec.reduce_decode(bucket.wire), on_peak)
         self.packets.pop(id(bucket), None)
-        if self.layout.staged and not self.options.offload.offloaded:
+        if self.layout.staged and not bucket.offloaded:
             self.shards += bucket.grad_shard
             on_peak()  # the chunk is kept (a new shard) before the staging buffer goes
         self.order.completed()
@@ -203,13 +212,11 @@ class _Reduction:
 def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options) -> Peak:
     """The peak of one training step (steady state: the optimizer state exists) of ``layout``'s configuration."""
     buckets = [b for b in layout.buckets if b.params]
-    master = sum(b.master for b in buckets)
-    state = step.state_per_element * sum(b.elements for b in buckets)
+    here = [b for b in buckets if not b.offloaded]  # the buckets whose optimizer side (state included) is on the device
+    master = sum(b.master for b in here)
+    state = step.state(here)
     off = _off_device(layout, step, options.offload)
-    if options.offload.offloaded:  # the optimizer's side, its state included, is off the device
-        master, state = 0, 0.0
-    shards_here = options.offload.params == "none"  # stage 3's shards on the device
-    params_static = (sum(b.shard for b in layout.buckets) * shards_here if layout.stage == 3
+    params_static = (sum(b.shard for b in layout.buckets if not b.shard_off_device) if layout.stage == 3
                      else sum(b.whole for b in layout.buckets))
     params_static += layout.frozen + sum(b.secondary for b in layout.buckets)  # (hpZ's copies: always on the device)
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
@@ -268,8 +275,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     if gathering is not None:
         gathering.release_all()
     grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
-    master_grads = 0 if options.offload.offloaded else sum(b.master_grad for b in buckets)
-    on_device = 0.0 if options.offload.offloaded else 1.0  # an offloaded step runs on the host
+    master_grads = sum(b.master_grad for b in here)
+    on_device = 1.0 if here else 0.0  # an offloaded step runs on the host
     for temporaries, gradients in ((step.adopt, grads + master_grads), (step.update, grads + master_grads)):
         offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
               "optimizer step")
@@ -285,7 +292,7 @@ def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffB
     resident = float(sum(b.host for b in layout.buckets))
     if not offload.offloaded:
         return OffBytes(resident, 0.0)
-    state = step.state_per_element * sum(b.elements for b in layout.buckets)
+    state = step.state(b for b in layout.buckets if b.offloaded)
     if not offload.on_disk:
         return OffBytes(resident + state, 0.0)
     loose = state - layout.disk_state * sum(b.elements for b in layout.buckets)

@@ -25,6 +25,7 @@ from zero.runtime.bucket import adopt_edits_
 from zero.runtime.disk import planned_disk_bytes
 from zero.runtime.paging import per_element_state
 from zero.runtime.partition import build_partition
+from zero.runtime.placement import Where
 from zero.runtime.plan import BucketPlan, Role
 from zero.runtime.stages import make_stage
 from zero.runtime.units import plan_units
@@ -227,7 +228,8 @@ class Workload:
         traced = [self._step(master, low, pieces) for pieces in candidates if pieces]
         if not traced:
             return StepTrace(0.0, 0.0, 0.0)
-        return StepTrace(*(max(getattr(t, f) for t in traced) for f in ("state_per_element", "adopt", "update")))
+        return StepTrace(*(max(getattr(t, f) for t in traced)
+                           for f in ("state_per_element", "adopt", "update", "state_per_piece")))
 
     def _step(self, dtype: torch.dtype, low: torch.dtype | None, pieces: tuple[int, ...]) -> StepTrace:
         key = (dtype, low, pieces)
@@ -249,9 +251,11 @@ class Workload:
                 updating = Recorder(holder, existing=existing)
                 with torch.no_grad(), updating:
                     opt.step()
-                state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
-                            if isinstance(t, torch.Tensor))
-            self._steps[key] = StepTrace(state / sum(pieces), _largest(adopting), _largest(updating))
+                tensors = [(p, t) for p in holder.pieces for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+                per_element = sum(t.untyped_storage().nbytes() for p, t in tensors if t.shape == p.shape)
+                per_piece = sum(t.untyped_storage().nbytes() for p, t in tensors if t.shape != p.shape)
+            self._steps[key] = StepTrace(per_element / sum(pieces), _largest(adopting), _largest(updating),
+                                         per_piece / len(pieces))
         return self._steps[key]
 
 
@@ -272,9 +276,16 @@ def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> B
         secondary=plan.nbytes(Role.SECONDARY),
         host=host_bytes(plan),
         disk=disk,
+        offloaded=_not_on_device(plan.spec(Role.MASTER)),
+        shard_off_device=_not_on_device(plan.spec(Role.SHARD)),
         wire=Wire(lay.padded_numel, lay.chunk_numel, plan.spec(Role.PARAMS).dtype, plan.spec(Role.STAGING).dtype
                   if plan.trainable else d.reduce, plan.trainable, unit.name if unit is not None else None),
     )
+
+
+def _not_on_device(spec: Any) -> bool:
+    """Whether a planned buffer (or none) lives off the device (host memory or disk)."""
+    return spec is not None and spec.where is not Where.DEVICE
 
 
 def _to_fake(model: nn.Module, mode: Any) -> None:

@@ -170,7 +170,7 @@ def _build_partition(
     num_shards = stage.num_shards(comm.world_size)
     trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
     param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
-    check_host_memory(offload, -(-trainable // num_shards), param_bytes)
+    check_host_memory(offload, int(-(-trainable // num_shards) * offload.ratio), param_bytes)
     full = _full_precision(model, config)
     plan = _unit_planner(model, config) if isinstance(stage, Stage3) else None
     return build_partition(

@@ -38,8 +38,9 @@ def _unbucketed(runtime: Runtime) -> Iterator[tuple[str, MemoryItem]]:
     """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
     for name, p in runtime.partition.frozen:
         yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
-    host = runtime.placements.optimizer.where.suffix if runtime.placements.optimizer_offloaded else ""
-    for state in runtime.inner.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                yield "optimizer_state", MemoryItem("optimizer_state", key + host, value)
+    for bucket in runtime.trainable_buckets:  # (partial offload: some buckets' state is on the host, some not)
+        host = bucket.placements.optimizer.where.suffix if bucket.offloaded else ""
+        for piece in bucket.pieces:
+            for key, value in runtime.inner.state.get(piece.tensor, {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield "optimizer_state", MemoryItem("optimizer_state", key + host, value)

@@ -143,7 +143,8 @@ def build_partition(
         num_shards=policy.num_shards,
     )
     firsts = [packed[layout.spans[0].param_index] for layout in layouts]
-    where = [placements or Placements.on(DevicePlacement(device_of(first))) for first in firsts]
+    where = (placements.for_buckets([layout.padded_numel for layout in layouts]) if placements
+             else [Placements.on(DevicePlacement(device_of(first))) for first in firsts])
     stage_plan = StagePlan(policy, shard_index, tuple(
         plan_bucket(policy, layout, dtypes_of(first), first.requires_grad, here)
         for layout, first, here in zip(layouts, firsts, where)

@@ -178,19 +178,38 @@ class Placements:
     optimizer: Placement
     shard: Placement
     copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down to the host
+    ratio: float = 1.0  # the share of the buckets' elements these hold; the rest are the device's (for_buckets)
 
     @classmethod
     def of(cls, offload: Offload, device: torch.device, disk: Placement | None = None) -> "Placements":
         """As ``offload`` says; ``disk``: the disk placement (``zero.runtime.disk``) when it says 'disk'."""
         assert (disk is not None) == offload.on_disk
         on_device = DevicePlacement(device)
+        if offload.ratio == 0:  # nothing offloaded: exactly no offload
+            return cls.on(on_device)
         host = HostPlacement(pin=device.type == "cuda")
         return cls(
             device=on_device,
             optimizer=disk or host if offload.optimizer_on_host else on_device,
             shard=(disk if offload.params == "disk" else host) if offload.params_on_host else on_device,
             copies=HostCopies(device) if offload.optimizer_on_host else None,
+            ratio=offload.ratio,
         )
+
+    def for_buckets(self, numels: list[int]) -> list["Placements"]:
+        """Each bucket's placements, ``numels`` its elements in bucket order: these for all of them, or with
+        ``ratio`` below 1 (partial offload) these for the first buckets, as long as they hold at most ``ratio`` of
+        the elements, and the device alone for the rest. The first buckets are the first that backward reduces:
+        their gradients go down to the host while backward goes on, and at the step the device's part steps while
+        the host steps its own."""
+        if self.ratio >= 1:
+            return [self] * len(numels)
+        resident, budget, held = Placements.on(self.device), self.ratio * sum(numels), 0
+        out = []
+        for numel in numels:
+            held += numel
+            out.append(self if held <= budget and all(p is self for p in out) else resident)
+        return out
 
     @classmethod
     def on(cls, placement: Placement) -> "Placements":

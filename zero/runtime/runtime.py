@@ -192,7 +192,9 @@ class Runtime:
         self.comm.end_step()
 
     def _update(self, step_kwargs: dict[str, Any]) -> None:
-        buckets = self.trainable_buckets
+        # the buckets that step on the device first: their kernels run while the host steps the offloaded ones
+        # (partial offload, offload.ratio); every rank orders them alike
+        buckets = sorted(self.trainable_buckets, key=lambda bucket: bucket.offloaded)
         shared = self.update.pending  # the update started by the previous step(), shared now: nothing to adopt
         self.flush()
         self.master_grads()
