@@ -117,3 +117,22 @@ def test_the_host_estimate_is_what_the_offloaded_buckets_hold(stage, params):
     state = sum(t.untyped_storage().nbytes() for bucket in offloaded for piece in bucket.pieces
                 for t in opt.inner.state[piece.tensor].values() if isinstance(t, torch.Tensor))
     assert e.host == pytest.approx(buffers + state, abs=64)
+
+
+def test_the_planner_offloads_the_least_that_fits():
+    """Between no offload and full offload the planner keeps the most of the optimizer side on the device: the
+    smallest ratio (a bucket boundary: stage 3's units here) whose peak fits, and one bucket less does not."""
+    from zero.estimator import plan
+    from zero.estimator.estimator import offload_boundaries
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=8, num_heads=2)
+    workload = Workload(lambda: GPT(cfg), lambda m, x, y: m.loss(x, y), lambda n: synthetic_batch(0, n, cfg))
+    kw = dict(stage=3, world_size=2, micro_batch=2)
+    none, full = estimate(workload, **kw).peak, estimate(workload, offload="cpu", **kw).peak
+    budget = (none + full) / 2
+    chosen = [e for e in plan(workload, gpu_memory=budget / 0.9, world_size=2, micro_batches=[2]).fits
+              if (e.stage, e.checkpointing, e.optimizer_offload) == (3, False, "cpu")]
+    assert len(chosen) == 1 and 0 < chosen[0].offload_ratio < 1 and chosen[0].peak <= budget
+    boundaries = offload_boundaries(workload.layout(3, 2))
+    less = boundaries[boundaries.index(chosen[0].offload_ratio) - 1]
+    assert estimate(workload, offload="cpu", offload_ratio=less, **kw).peak > budget

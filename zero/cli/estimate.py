@@ -104,7 +104,8 @@ def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
     optimizer = getattr(e, "optimizer_offload", "cpu" if e.offload else "none")
     params = getattr(e, "params_offload", "none")
     if optimizer != "none" or params != "none":
-        kwargs["offload"] = OffloadChoice(optimizer, params, getattr(e, "buffer_count", 2)).config()
+        kwargs["offload"] = OffloadChoice(optimizer, params, getattr(e, "buffer_count", 2),
+                                          getattr(e, "offload_ratio", 1.0)).config()
     if e.checkpointing:
         kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
     if getattr(e, "communication_config", None):  # (e.communication is the memory category)
@@ -240,7 +241,8 @@ def _traffic_table(e: Estimate) -> None:
 
 
 def _label(e: Estimate) -> str:
-    offload = "disk offload" if e.optimizer_offload == "disk" else "offload"
+    offload = ("disk offload" if e.optimizer_offload == "disk" else
+               f"{e.offload_ratio:.0%} offload" if e.offload_ratio < 1 else "offload")
     extras = [x for x, on in (("checkpointing", e.checkpointing), (offload, e.offload)) if on]
     return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
 

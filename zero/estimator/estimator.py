@@ -27,6 +27,7 @@ policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ from zero.activations import MATMULS
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.failure import describe_failure
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
-from zero.estimator.schedule import Options, replay
+from zero.estimator.schedule import Layout, Options, replay
 from zero.estimator.traffic import (
     CommunicationArg,
     Traffic,
@@ -330,7 +331,10 @@ def plan(
 
     Offload is ``"none"`` and ``"cpu"`` (stages 1-3), and with a ``host_memory`` budget (bytes of host memory this
     rank may use) also ``"disk"`` (``buffer_count`` buckets mapped at a time): without a host budget offload to
-    the CPU fits wherever offload to disk does (the same device bytes) and is faster.
+    the CPU fits wherever offload to disk does (the same device bytes) and is faster. Offload to the CPU offloads
+    the least that fits (``offload_ratio``, :func:`least_offload`): the rest of the optimizer side steps on the
+    device, concurrently with the host's part (where no offload fits, full CPU offload is listed as the
+    configuration with the least device memory).
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload before CPU offload before disk (host transfers, then
     disk reads and writes: the slowest), lower stage (stage 3 moves 1.5x the data).
@@ -351,18 +355,54 @@ def plan(
                 progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
             for offload in offloads:
                 for stage in [s for s in stages if s or offload == "none"]:  # offload needs stage 1-3 (zero.offload)
-                    e = estimate(
-                        workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
-                        offload=offload, checkpointing=checkpointing, no_sync=no_sync, buffer_count=buffer_count,
-                        communication=communication,
-                    )
+                    def priced(ratio: float = 1.0, stage: int = stage, offload: str = offload) -> Estimate:
+                        return estimate(
+                            workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
+                            offload=offload, checkpointing=checkpointing, no_sync=no_sync, buffer_count=buffer_count,
+                            communication=communication, offload_ratio=ratio,
+                        )
+
+                    e = priced()
+                    if offload == "cpu" and not _why(e, budget, host_memory):
+                        layout = workload.layout(stage, e.group_size, precision)
+                        least = least_offload(priced, offload_boundaries(layout), e, budget)
+                        e = least if least.offload_ratio > 0 else e  # (0: the "none" candidate; full offload kept)
                     why = _why(e, budget, host_memory)
                     if why:
                         rejected.append((e, why))
                     else:
                         fits.append(e)
-    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.stage))
+    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.offload_ratio,
+                             e.stage))  # (less offloaded first)
     return Plan(fits, rejected)
+
+
+def least_offload(priced: Callable[[float], Estimate], boundaries: list[float], full: Estimate,
+                  budget: float) -> Estimate:
+    """The CPU-offload estimate with the smallest ``offload_ratio`` (the most of the optimizer side left on the device,
+    stepping there) whose peak fits ``budget``; ``full`` (ratio 1) fits. The ratios tried are ``boundaries`` (offload
+    moves whole buckets: :func:`offload_boundaries`), by bisection: the peak falls as the ratio grows."""
+    low, high, best = 0, len(boundaries) - 1, full
+    while low <= high:
+        middle = (low + high) // 2
+        e = priced(boundaries[middle])
+        if e.peak <= budget:
+            best, high = e, middle - 1
+        else:
+            low = middle + 1
+    return best
+
+
+def offload_boundaries(layout: Layout) -> list[float]:
+    """The ``offload.ratio`` values at which one more bucket goes to the host (``Placements.for_buckets``: the first
+    buckets, as long as they hold at most the ratio of the elements), from 0 (none) to 1 (all), each the smallest
+    ratio that offloads its buckets (rounded up at 1e-12)."""
+    sizes = [b.wire.padded for b in layout.buckets]
+    total, held, out = sum(sizes), 0, [0.0]
+    for size in sizes:
+        held += size
+        out.append(min(1.0, math.ceil(held / total * 1e12) / 1e12))
+    return sorted(set(out))
 
 
 def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
