@@ -19,7 +19,7 @@ offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
 With ``ratio`` below 1 (ZeRO-Offload++'s Twin-Flow, DeepSpeed's ``offload_optimizer.ratio``) only that fraction of
 the buckets is offloaded, whole: the first ones backward reduces (their gradients go down while backward goes on),
 and the rest stay on the device, where they step with the device's kernel while the host steps its part
-(``zero.runtime.placement.Placements.split``). ``ratio=0`` is no offload, bit for bit.
+(``zero.runtime.placement.Placements.for_buckets``). ``ratio=0`` is no offload, bit for bit.
 
 With ``"disk"`` (ZeRO-Infinity) the same buffers, and the wrapped optimizer's per-element state, live in one
 preallocated, memory-mapped file per rank under ``path``; at most ``buffer_count`` buckets of them are mapped in

@@ -207,8 +207,8 @@ class Placements:
         resident, budget, held = Placements.on(self.device), self.ratio * sum(numels), 0
         out = []
         for numel in numels:
-            held += numel
-            out.append(self if held <= budget and all(p is self for p in out) else resident)
+            held += numel  # (grows: once past the budget, every later bucket stays on the device)
+            out.append(self if held <= budget else resident)
         return out
 
     @classmethod
