@@ -123,7 +123,7 @@ def test_the_planner_offloads_the_least_that_fits():
     """Between no offload and full offload the planner keeps the most of the optimizer side on the device: the
     smallest ratio (a bucket boundary: stage 3's units here) whose peak fits, and one bucket less does not."""
     from zero.estimator import plan
-    from zero.estimator.estimator import offload_boundaries
+    from zero.estimator.partial_offload import offload_boundaries
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=8, num_heads=2)
     workload = Workload(lambda: GPT(cfg), lambda m, x, y: m.loss(x, y), lambda n: synthetic_batch(0, n, cfg))

@@ -27,7 +27,6 @@ policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -39,7 +38,8 @@ from zero.activations import MATMULS
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.failure import describe_failure
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
-from zero.estimator.schedule import Layout, Options, replay
+from zero.estimator.partial_offload import least_offload, offload_boundaries
+from zero.estimator.schedule import Options, replay
 from zero.estimator.traffic import (
     CommunicationArg,
     Traffic,
@@ -375,34 +375,6 @@ def plan(
     fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.offload_ratio,
                              e.stage))  # (less offloaded first)
     return Plan(fits, rejected)
-
-
-def least_offload(priced: Callable[[float], Estimate], boundaries: list[float], full: Estimate,
-                  budget: float) -> Estimate:
-    """The CPU-offload estimate with the smallest ``offload_ratio`` (the most of the optimizer side left on the device,
-    stepping there) whose peak fits ``budget``; ``full`` (ratio 1) fits. The ratios tried are ``boundaries`` (offload
-    moves whole buckets: :func:`offload_boundaries`), by bisection: the peak falls as the ratio grows."""
-    low, high, best = 0, len(boundaries) - 1, full
-    while low <= high:
-        middle = (low + high) // 2
-        e = priced(boundaries[middle])
-        if e.peak <= budget:
-            best, high = e, middle - 1
-        else:
-            low = middle + 1
-    return best
-
-
-def offload_boundaries(layout: Layout) -> list[float]:
-    """The ``offload.ratio`` values at which one more bucket goes to the host (``Placements.for_buckets``: the first
-    buckets, as long as they hold at most the ratio of the elements), from 0 (none) to 1 (all), each the smallest
-    ratio that offloads its buckets (rounded up at 1e-12)."""
-    sizes = [b.wire.padded for b in layout.buckets]
-    total, held, out = sum(sizes), 0, [0.0]
-    for size in sizes:
-        held += size
-        out.append(min(1.0, math.ceil(held / total * 1e12) / 1e12))
-    return sorted(set(out))
 
 
 def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
