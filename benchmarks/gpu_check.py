@@ -27,6 +27,9 @@ Run (the GPU image has no pydantic: carry its wheels, see the device notes)::
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--parts tests,syncs,compare,triton,memory,cap] \\
         [--budget 540] [--out benchmarks/results/gpu.json]
+
+On a lent machine, write it under ``$OUT`` (``--out $OUT/gpu.json``), copy what comes back to
+``benchmarks/results/gpu.json`` and run ``python benchmarks/render_results.py --write``.
 """
 
 from __future__ import annotations
