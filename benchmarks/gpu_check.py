@@ -152,7 +152,7 @@ def part_syncs(out: Path) -> dict:
         results[name] = {
             "syncs_per_step": sum(where.values()), "sync_lines": dict(sorted(where.items(), key=lambda kv: -kv[1])[:8]),
             "launches_per_step": sum(events.get(k, 0) for k in LAUNCHES),
-            "device_syncs_per_step": sum(events.get(k, 0) for k in SYNCS) - 1,  # (less the profiler's own wait)
+            "device_syncs_per_step": max(0, sum(events.get(k, 0) for k in SYNCS) - 1),  # (less our own wait)
             "step_ms": statistics.median(times), "peak_gib": (torch.cuda.max_memory_allocated() - before) / 2**30,
         }
         print(name, results[name], flush=True)
