@@ -144,3 +144,13 @@ def test_gathered_parameters_with_offloaded_parameters_holds_them_on_the_host_an
     assert torch.equal(runs["offloaded"][0], runs["resident"][0])
     assert torch.equal(runs["offloaded"][1], runs["resident"][1])
     assert not torch.equal(runs["offloaded"][1], train(3, {"params": "cpu"}, {})[0])  # (the edit counted)
+
+
+def test_gathered_parameters_on_the_host_refuses_a_cast_inside():
+    """With offload.params, replacing a parameter's .data inside gathered_parameters() (a cast) is refused by name, as
+    on the device: its edits could not reach the shards."""
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=3, offload={"params": "cpu"})
+    with pytest.raises(ValueError, match="head.weight"):
+        with opt.gathered_parameters():
+            model.head.weight.data = model.head.weight.data.double()

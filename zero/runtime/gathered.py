@@ -15,7 +15,7 @@ from zero.runtime.bucket import Bucket
 from zero.runtime.placement import HOST
 from zero.runtime.reducer import GradState
 from zero.runtime.runtime import Runtime, wait_all
-from zero.runtime.sharded_param import set_data
+from zero.runtime.sharded_param import cast_after_wrapping, set_data
 
 Targets = torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Module | torch.nn.Parameter] | None
 
@@ -66,18 +66,21 @@ def _gathered_on_host(runtime: Runtime, units: list, modifier_rank: int | None) 
     buckets = [b for unit in units for b in unit.buckets]
     for unit in units:
         gatherer.reshard(unit)  # (the root may still be gathered on the device)
-    wholes = {}
+    wholes, views = {}, []  # (each slot with its view of the whole parameters)
     for bucket in buckets:
         stage.unshard(bucket, comm, exact=True).wait()
         stage.end_unshard(bucket)
         wholes[bucket] = bucket.param_buffer.data.to(HOST, copy=True)
         bucket.param_buffer.free()
         for slot in bucket.slots:
-            set_data(slot.param, wholes[bucket].narrow(0, slot.span.offset, slot.span.numel).view(slot.param.shape),
-                     sharded=False)
+            views.append((slot, wholes[bucket].narrow(0, slot.span.offset, slot.span.numel).view(slot.param.shape)))
+            set_data(slot.param, views[-1][1], sharded=False)
     try:
         yield
     finally:
+        for slot, view in views:  # an edit that replaced .data (model.to(), a cast) would be lost: refuse it
+            if slot.param.data_ptr() != view.data_ptr():
+                raise ValueError(cast_after_wrapping(slot.name))
         for bucket in buckets:
             whole = wholes[bucket]
             if modifier_rank is not None:
