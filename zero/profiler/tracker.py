@@ -36,8 +36,10 @@ from torch.utils._pytree import tree_leaves
 
 from zero.memory import CATEGORIES, MemoryItem
 from zero.outputs import tensors_in
-from zero.profiler import report
 from zero.profiler.allocator import Allocator, make_allocator
+from zero.profiler.report import peak_sample, table
+from zero.profiler.report import plot as plot_report
+from zero.profiler.report import to_json as report_json
 from zero.profiler.sample import Sample
 from zero.profiler.storages import EntryStorage, Origin, SavedStorage, SavedTensor, entry_storages, register
 from zero.weak import weak_hook
@@ -170,20 +172,20 @@ class MemoryTracker:
     @property
     def peak(self) -> Sample:
         """The sample with the allocator's highest figure, with its breakdown."""
-        return report.peak_sample(self)
+        return peak_sample(self)
 
     def report(self) -> str:
         """The terminal table: categories at the peak and between steps, top labels and modules."""
-        return report.table(self)
+        return table(self)
 
     def to_json(self, path: str | None = None) -> str:
         """The report and the whole timeline as JSON (written to ``path`` if given)."""
-        return report.to_json(self, path)
+        return report_json(self, path)
 
     def plot(self, path: str, **title: Any) -> None:
         """Save a figure (needs matplotlib): the timeline by category over the run's phases with the peak marked,
         and each module's own bytes at the peak by category. ``title``: see :func:`zero.profiler.report.figure`."""
-        report.plot(self, path, **title)
+        plot_report(self, path, **title)
 
     # ----- sampling -------------------------------------------------------------------------------
 
