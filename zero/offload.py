@@ -33,7 +33,7 @@ import warnings
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 # bytes per element of this rank's chunk held on the host: fp32 master, fp32 gradient, two fp32 moments
 HOST_BYTES_PER_ELEMENT = 4 + 4 + 8
@@ -73,6 +73,13 @@ class Offload(BaseModel):
         "host steps its part (DeepSpeed's offload_optimizer.ratio, ZeRO-Offload++'s Twin-Flow). 1: everything "
         "offloaded; 0: nothing.",
     )
+    host_threads: StrictInt | Literal["auto"] = Field(
+        "auto",
+        description="Threads of the host step (an int >= 1), or 'auto': the cores this process may run on (its CPU "
+        "affinity, not os.cpu_count()), shared among the ranks on this machine when they all may run on every "
+        "core (torchrun's LOCAL_WORLD_SIZE, else the world size). torchrun sets OMP_NUM_THREADS=1, which would "
+        "leave the memory-bound host step on one core.",
+    )
     delayed_step: bool = Field(
         False,
         strict=True,
@@ -80,6 +87,12 @@ class Offload(BaseModel):
         "(ZeRO-Offload's one-step delayed update): faster, but not equal to synchronous training "
         "(zero.runtime.delayed).",
     )
+
+    @model_validator(mode="after")
+    def _threads_positive(self) -> "Offload":
+        if self.host_threads != "auto" and self.host_threads < 1:
+            raise ValueError(f"offload.host_threads must be 'auto' or a whole number >= 1, got {self.host_threads!r}")
+        return self
 
     @model_validator(mode="after")
     def _delay_needs_offload(self) -> "Offload":
@@ -157,6 +170,21 @@ def available_host_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def host_step_threads(setting: int | Literal["auto"], local_ranks: int) -> int:
+    """The threads of the host step: ``setting`` if it is a number; with ``"auto"`` the cores in this process's CPU
+    affinity, divided among ``local_ranks`` (the ranks on this machine) when the affinity is the whole machine (the
+    ranks were not bound to cores of their own, so they share them)."""
+    if setting != "auto":
+        return setting
+    try:
+        owned = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        owned = os.cpu_count() or 1
+    if owned >= (os.cpu_count() or owned):
+        owned //= max(local_ranks, 1)
+    return max(owned, 1)
 
 
 def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> None:

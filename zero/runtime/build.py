@@ -11,6 +11,7 @@ they exist.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from zero.activations import checkpoint_activations
 from zero.comm import Communicator
 from zero.config import ZeroConfig
 from zero.hierarchy import codec_of, hierarchical
-from zero.offload import check_host_memory, warn_unfused_host_step
+from zero.offload import check_host_memory, host_step_threads, warn_unfused_host_step
 from zero.precision import (
     DTYPES,
     cast_unmanaged_parameters,
@@ -32,6 +33,7 @@ from zero.precision import (
 from zero.runtime.delayed import DelayedStep
 from zero.runtime.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
 from zero.runtime.gatherer import ParamGatherer
+from zero.runtime.host_threads import HostThreads
 from zero.runtime.inner import check_optimizer, rebuild_optimizer
 from zero.runtime.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
@@ -97,7 +99,8 @@ def build_runtime(
     inner = rebuild_optimizer(optimizer, partition.buckets)
     stepper = BucketStepper(inner, partition.trainable_buckets, config.step_kernel)
     paging = _paging(inner, partition, placements, config, state)
-    if config.offload.optimizer_on_host:
+    threads = HostThreads(_host_threads(config, comm))
+    if threads.count is not None:
         warn_unfused_host_step(inner)
     policy = config.activation_checkpointing
     runtime = Runtime(
@@ -110,7 +113,8 @@ def build_runtime(
         owner=owner,
         inner=inner,
         stepper=stepper,
-        update=DelayedStep(inner) if config.offload.delayed_step else ImmediateUpdate(stepper, stage, comm, paging),
+        update=(DelayedStep(inner, threads) if config.offload.delayed_step
+                else ImmediateUpdate(stepper, stage, comm, paging, threads)),
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
         gatherer=_gatherer(partition, stage, comm, config, secondary),
         paging=paging,
@@ -140,6 +144,15 @@ def watch_for_drop(owner: Any, runtime: Runtime) -> None:
     can be done without a collective (see ``zero.runtime.release``)."""
     finalizer = weakref.finalize(owner, runtime.release.dropped)
     finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
+
+
+def _host_threads(config: ZeroConfig, comm: Communicator) -> int | None:
+    """The host step's threads (``None``: nothing steps on the host). The ranks sharing this machine: torchrun's
+    ``LOCAL_WORLD_SIZE``, else every rank of the world (one machine)."""
+    if not config.offload.optimizer_on_host or config.offload.ratio == 0:
+        return None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
+    return host_step_threads(config.offload.host_threads, local_ranks)
 
 
 def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:

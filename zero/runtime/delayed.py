@@ -29,14 +29,15 @@ from typing import Any
 import torch
 
 from zero.runtime.bucket import Bucket
+from zero.runtime.host_threads import HostThreads
 from zero.runtime.stepper import BucketStepper
 
 
 class DelayedStep:
     """One host step in flight at a time, in a background thread (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, threads: HostThreads):
+        self.optimizer, self.threads = optimizer, threads
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-delayed-step")
         self._pending: Future | None = None
         self._fingerprints: dict[int, torch.Tensor] = {}  # per bucket: its parameters as last shared
@@ -65,11 +66,11 @@ class DelayedStep:
         frozen.param_groups = [dict(group) for group in self.optimizer.param_groups]
         self._pending = self._executor.submit(self._run, frozen, buckets, grads, used, dict(step_kwargs))
 
-    @staticmethod
-    def _run(optimizer: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor], used: list,
+    def _run(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], grads: list[torch.Tensor], used: list,
              step_kwargs: dict[str, Any]) -> None:
-        for bucket, grad, pieces in zip(buckets, grads, used):
-            BucketStepper.update_master(bucket, optimizer, grad, pieces, step_kwargs)
+        with self.threads.scope():  # (in this thread: the main thread's count is its own)
+            for bucket, grad, pieces in zip(buckets, grads, used):
+                BucketStepper.update_master(bucket, optimizer, grad, pieces, step_kwargs)
 
     def finish(self) -> bool:
         """Wait for the step in flight (its error, if any, is raised here); whether there was one."""

@@ -31,6 +31,7 @@ import torch
 from zero.config import StepKernel
 from zero.runtime.bucket import Bucket, LocalPiece
 from zero.runtime.flat_step import FlatAdamW
+from zero.runtime.host_threads import HostThreads
 from zero.runtime.paging import Resident
 
 
@@ -123,18 +124,19 @@ class ImmediateUpdate:
 
     pending = False
 
-    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any, paging: Resident):
-        self.stepper, self.stage, self.comm, self.paging = stepper, stage, comm, paging
+    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any, paging: Resident, threads: HostThreads):
+        self.stepper, self.stage, self.comm, self.paging, self.threads = stepper, stage, comm, paging, threads
 
     def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any], adopt: bool = True) -> list:
         """Step every bucket (first taking the edits into its master with ``adopt``); the handles of the parameters'
         all-gathers (``None`` where nothing is gathered)."""
         handles = []
-        for bucket in self.paging.walk(buckets):
-            if adopt:
-                bucket.adopt_edits()
-            self.stepper.step(bucket, step_kwargs)
-            handles.append(self.stage.gather_params(bucket, self.comm))
+        with self.threads.scope():
+            for bucket in self.paging.walk(buckets):
+                if adopt:
+                    bucket.adopt_edits()
+                self.stepper.step(bucket, step_kwargs)
+                handles.append(self.stage.gather_params(bucket, self.comm))
         return handles
 
     def remember(self, buckets: list[Bucket]) -> None:
