@@ -11,6 +11,7 @@ PyYAML reads ``1e-3`` as a string).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, m
 
 from zero.activations import ActivationCheckpointing
 from zero.communication import Communication
-from zero.deepspeed_config import from_deepspeed
+from zero.integrations.deepspeed_config import DeepSpeedConfig, read_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision
 
@@ -229,13 +230,20 @@ class ZeroConfig(BaseModel):
         return max(1, int(self.bucket_size_mb * 2**20))
 
     @classmethod
-    def from_deepspeed(cls, source: Any, ignore: Any = (), **overrides: Any) -> Any:
+    def from_deepspeed(cls, source: Any, ignore: Any = (), **overrides: Any) -> DeepSpeedConfig[ZeroConfig]:
         """Translate a DeepSpeed config (a dict, or the path of its JSON file) key by key, refusing by name each key
-        it cannot honour. Returns a :class:`zero.deepspeed_config.DeepSpeedConfig` that unpacks as
+        it cannot honour. Returns a :class:`zero.integrations.deepspeed_config.DeepSpeedConfig` that unpacks as
         ``config, training``: the ``ZeroConfig``, and ``{"gradient_clipping", "gradient_accumulation_steps"}`` for
-        the training loop to apply (``opt.clip_grad_norm_``, ``opt.no_sync()``). See ``zero.deepspeed_config`` and
-        docs/migration.md for what maps, what is ignored and why, and what is refused."""
-        return from_deepspeed(source, ignore, cls, **overrides)
+        the training loop to apply (``opt.clip_grad_norm_``, ``opt.no_sync()``). ``overrides``: fields set on top
+        (``unit_classes=[...]``). See ``zero.integrations.deepspeed_config`` (which reads the keys into field values;
+        they are validated here) and docs/migration.md for what maps, what is ignored and why, and what is refused."""
+        read = read_deepspeed(source, ignore)
+        fields = {**read.config, **overrides}
+        try:
+            config = cls(**fields)
+        except ValueError as err:
+            raise ValueError(f"the DeepSpeed config maps to ZeroConfig({fields}), which is invalid: {err}") from err
+        return replace(read, config=config)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "ZeroConfig":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zero import LossScale, ZeroConfig, ZeroOptimizer
-from zero.deepspeed_config import DeepSpeedConfig
+from zero.integrations.deepspeed_config import DeepSpeedConfig
 
 MB = 2**20
 

@@ -1,8 +1,17 @@
-"""Training with ``zero`` where users already train: Hugging Face ``Trainer`` (:mod:`zero.integrations.transformers`)
-and ``Accelerate`` (:mod:`zero.integrations.accelerate`).
+"""Where ``zero`` meets the tools users already train with: Hugging Face ``Trainer``
+(:mod:`zero.integrations.transformers`), ``Accelerate`` (:mod:`zero.integrations.accelerate`), and DeepSpeed's
+JSON configs (:mod:`zero.integrations.deepspeed_config`, read by ``ZeroConfig.from_deepspeed``).
 
-Neither library is a dependency of ``zero``: each submodule imports its library when it is imported.
-Both integrations rest on the same three rules, the traps a ``ZeroOptimizer`` falls into otherwise:
+**What it may import.** The Trainer and Accelerate integrations sit above the whole library (they import
+``zero.optimizer``, ``zero.config``, ``zero.checkpoint`` and their own library, which is not a dependency of
+``zero``: each submodule imports its library when it is imported). The DeepSpeed config reader sits below
+``zero.config``, which imports it: it imports nothing of ``zero`` but its key tables
+(:mod:`zero.integrations.deepspeed_keys`). So this ``__init__``, which holds what the Trainer and Accelerate
+submodules share, imports nothing of ``zero`` either: importing the reader from ``zero.config`` runs it, and must
+not run the optimizer (which imports ``zero.config``) or any integration's library.
+
+The Trainer and Accelerate integrations rest on the same three rules, the traps a ``ZeroOptimizer`` falls into
+otherwise:
 
 * **Never DistributedDataParallel.** ``ZeroOptimizer`` reduces the gradients itself; DDP on top would
   reduce them twice and undo stage 2's saving.
@@ -18,18 +27,22 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import ContextManager
-
-from zero.optimizer import ZeroOptimizer
+from typing import ContextManager, Protocol
 
 CHECKPOINT_DIR = "zero_checkpoint"  # the portable checkpoint inside a Trainer or Accelerate checkpoint folder
+
+
+class _Accumulates(Protocol):
+    """What ``WeakNoSync`` calls: a ``ZeroOptimizer`` (not imported here: see the module docstring)."""
+
+    def no_sync(self) -> ContextManager[None]: ...
 
 
 class WeakNoSync:
     """``opt.no_sync`` without keeping ``opt`` alive: set as the model's ``no_sync``, the method Accelerate calls on a
     DDP model to accumulate locally. Pickles as a no-op (``torch.save(model)`` keeps working)."""
 
-    def __init__(self, opt: ZeroOptimizer | None = None):
+    def __init__(self, opt: _Accumulates | None = None):
         self._ref = weakref.ref(opt) if opt is not None else None
 
     def __call__(self) -> ContextManager[None]:

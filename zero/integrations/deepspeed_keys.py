@@ -1,5 +1,6 @@
-"""The tables of DeepSpeed config keys that ``zero.deepspeed_config`` reads (``ZeroConfig.from_deepspeed``): the ones
-ignored with a reason, accepted at a neutral value only, refused with a fix, and mapped (in code there)."""
+"""The tables of DeepSpeed config keys that ``zero.integrations.deepspeed_config`` reads (for
+``ZeroConfig.from_deepspeed``): the ones ignored with a reason, accepted at a neutral value only, refused with a fix,
+and mapped (in code there)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,11 @@
 """``ZeroConfig.from_deepspeed``: a DeepSpeed JSON config translated to a :class:`zero.ZeroConfig`, key by key.
 
+**One way.** This reader does not import ``zero.config``: :func:`read_deepspeed` translates the JSON into plain
+``ZeroConfig`` field values (a dict of fields and mappings, as a user would pass them) and the training settings;
+``ZeroConfig.from_deepspeed`` (in ``zero.config``, which imports this module) adds its ``overrides`` and validates
+the fields into a ``ZeroConfig``. So ``zero.config`` depends on the reader and never the reverse; the reader
+imports nothing of ``zero`` but its tables of keys (:mod:`zero.integrations.deepspeed_keys`).
+
 Every key of the DeepSpeed config meets one of four fates, and none is dropped unseen:
 
 * **mapped** to a ``ZeroConfig`` field, or to the ``training`` settings returned beside it (below);
@@ -41,27 +47,28 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import Any, Generic, Iterable, Iterator, Mapping, TypeVar
 
-if TYPE_CHECKING:  # (zero.config imports this module; ZeroConfig.from_deepspeed passes the class in)
-    from zero.config import ZeroConfig
-
-from zero.deepspeed_keys import AUTO, IGNORED, MAPPED, NEUTRAL, REFUSED, ZO
+from zero.integrations.deepspeed_keys import AUTO, IGNORED, MAPPED, NEUTRAL, REFUSED, ZO
 
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
            "bf16": "bf16", "bfloat16": "bf16", "bfp16": "bf16"}
 
 
+Config = TypeVar("Config")  # what ``DeepSpeedConfig.config`` holds
+
+
 @dataclass(frozen=True)
-class DeepSpeedConfig:
+class DeepSpeedConfig(Generic[Config]):
     """What :meth:`zero.ZeroConfig.from_deepspeed` returns; unpacks as ``config, training``.
 
-    ``config``: the :class:`zero.ZeroConfig`. ``gradient_clipping``: the max norm for ``opt.clip_grad_norm_``
+    ``config``: the :class:`zero.ZeroConfig` (in what :func:`read_deepspeed` returns: the ``ZeroConfig`` fields
+    it is built from, a dict, not yet validated). ``gradient_clipping``: the max norm for ``opt.clip_grad_norm_``
     before each step, or ``None`` (DeepSpeed's 0 or no key). ``gradient_accumulation_steps``: micro-batches per
     step (run all but the last inside ``opt.no_sync()``, each loss divided by it). ``ignored``: each key found
     that changes nothing in zero, with the reason."""
 
-    config: ZeroConfig
+    config: Config
     gradient_clipping: float | None = None
     gradient_accumulation_steps: int = 1
     ignored: dict[str, str] = field(default_factory=dict)
@@ -75,23 +82,19 @@ class DeepSpeedConfig:
         return iter((self.config, self.training))
 
 
-def from_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str], config_class: type[ZeroConfig],
-                   **overrides: Any) -> DeepSpeedConfig:
-    """Translate a DeepSpeed config (a mapping, or the path of its JSON file) as the module docstring says
-    (``ZeroConfig.from_deepspeed`` calls it with ``config_class=ZeroConfig``: this module does not import it).
+def read_deepspeed(source: str | Path | Mapping[str, Any], ignore: Iterable[str] = ()
+                   ) -> DeepSpeedConfig[dict[str, Any]]:
+    """Translate a DeepSpeed config (a mapping, or the path of its JSON file) as the module docstring says, into
+    the ``ZeroConfig`` field values (``config``, a dict) and the training settings; ``ZeroConfig.from_deepspeed``
+    validates the fields (with its overrides on top) into the ``ZeroConfig``.
 
     ``ignore``: key paths (``"optimizer"``, ``"zero_optimization.stage3_max_live_parameters"``) you handle
-    yourself, skipped on purpose. ``overrides``: ``ZeroConfig`` fields set on top (``unit_classes=[...]``)."""
+    yourself, skipped on purpose."""
     data = _load(source)
     reader = _Reader(set(ignore))
     reader.walk(data, "")
     fields = reader.fields(data)
-    fields.update(overrides)
-    try:
-        config = config_class(**fields)
-    except ValueError as err:
-        raise ValueError(f"the DeepSpeed config maps to ZeroConfig({fields}), which is invalid: {err}") from err
-    return DeepSpeedConfig(config, reader.clipping, reader.accumulation, reader.ignored)
+    return DeepSpeedConfig(fields, reader.clipping, reader.accumulation, reader.ignored)
 
 
 def _load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
