@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -65,13 +65,19 @@ class Offload(BaseModel):
         "the ones read ahead).",
     )
 
-    ratio: float = Field(
-        1.0, ge=0.0, le=1.0,
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        1.0,
         description="With 'cpu': the fraction of each rank's optimizer side (and, with params='cpu', of its "
         "parameter shards) that lives in host memory, in whole buckets: the first buckets to be reduced in "
         "backward go to the host, the rest stay on the device and step there with the device kernel while the "
         "host steps its part (DeepSpeed's offload_optimizer.ratio, ZeRO-Offload++'s Twin-Flow). 1: everything "
-        "offloaded; 0: nothing.",
+        "offloaded; 0: nothing; 'auto': the least that fits the device, chosen by the estimator when ZeroOptimizer "
+        "is built (it needs example=zero.StepExample(...); zero.auto_ratio).",
+    )
+    gpu_memory: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="With ratio='auto': the bytes of device memory this rank may use (default: measured on CUDA when "
+        "the optimizer is built: free plus what torch's allocator holds); the ratio's peak fits 0.9 of it.",
     )
     host_threads: StrictInt | Literal["auto"] = Field(
         "auto",
@@ -110,6 +116,8 @@ class Offload(BaseModel):
 
     @model_validator(mode="after")
     def _ratio_needs_cpu_offload(self) -> "Offload":
+        if self.gpu_memory is not None and self.ratio != "auto":
+            raise ValueError("offload.gpu_memory is the budget of ratio='auto'; set offload.ratio='auto' or remove it")
         if self.ratio == 1.0:
             return self
         if not self.optimizer_on_host or self.on_disk:

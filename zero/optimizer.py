@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from zero.auto_ratio import StepExample, resolve_config
 from zero.checkpoint import shard_state
 from zero.config import ZeroConfig
 from zero.memory import MemoryItem, ModelStateBytes
@@ -58,6 +59,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         process_group: the data-parallel group; defaults to the default group if one is
             initialized, else runs as world size 1.
         init_fn, device: for a model built on ``meta`` (stage 3; see :func:`init_sharded`).
+        example: with ``offload.ratio="auto"``, a :class:`zero.StepExample` (the loss and a micro-batch) with which
+            the estimator picks the ratio (:mod:`zero.auto_ratio`).
     """
 
     def __init__(
@@ -69,11 +72,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         init_fn: InitFn | None = None,
         device: torch.device | str | None = None,
+        example: StepExample | None = None,
         **overrides: Any,
     ):
         if isinstance(optimizer, ZeroOptimizer):
             raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
-        self.config = _resolve_config(config, overrides)
+        self.config = resolve_config(config, overrides, optimizer, model, example, process_group, device)
         runtime = build_runtime(optimizer, model, self.config, process_group=process_group, init_fn=init_fn,
                                 device=device)
         super().__init__(runtime.inner.param_groups, runtime.inner.defaults)
@@ -208,14 +212,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def named_memory(self) -> list[MemoryItem]:
         """Every tensor this optimizer owns, named for the memory profiler (``zero.profile``)."""
         return owned_memory.named_memory(self.runtime)
-
-
-def _resolve_config(config: ZeroConfig | None, overrides: dict[str, Any]) -> ZeroConfig:
-    if config is None:
-        return ZeroConfig(**overrides)
-    if not isinstance(config, ZeroConfig):
-        raise ValueError(f"config must be a zero.ZeroConfig, got {type(config).__name__}")
-    return ZeroConfig(**{**config.model_dump(), **overrides})  # re-validated
 
 
 def init_sharded(

@@ -136,3 +136,54 @@ def test_the_planner_offloads_the_least_that_fits():
     boundaries = offload_boundaries(workload.layout(3, 2))
     less = boundaries[boundaries.index(chosen[0].offload_ratio) - 1]
     assert estimate(workload, offload="cpu", offload_ratio=less, **kw).peak > budget
+
+
+def test_auto_picks_at_construction_what_the_planner_picks():
+    """``ratio="auto"`` with a budget between no offload's peak and full offload's: the optimizer is built at the
+    smallest ratio whose estimate fits (the planner's), trains as no offload does, and the message says which."""
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=4, num_heads=2)
+    workload = Workload(lambda: GPT(cfg), lambda m, x, y: m.loss(x, y), lambda n: synthetic_batch(0, n, cfg))
+    kw = dict(stage=2, world_size=1, micro_batch=2, bucket_size_mb=0.05)
+    none, full = estimate(workload, **kw).peak, estimate(workload, offload="cpu", **kw).peak
+    budget = (none + full) / 2
+    from zero.estimator.partial_offload import least_offload, offload_boundaries
+
+    expected = least_offload(lambda r: estimate(workload, offload="cpu", offload_ratio=r, **kw),
+                             offload_boundaries(workload.layout(2, 1, bucket_size_mb=0.05)),
+                             estimate(workload, offload="cpu", **kw), budget).offload_ratio
+    assert 0 < expected < 1
+    x, y = synthetic_batch(0, 2, cfg)
+
+    def run(offload: dict, example: zero.StepExample | None = None) -> tuple[torch.Tensor, ZeroOptimizer]:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=2, bucket_size_mb=0.05,
+                            offload=offload, example=example)
+        for _ in range(2):
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return flat_params(model, opt), opt
+
+    example = zero.StepExample(loss=lambda m, a, b: m.loss(a, b), batch=(x, y))
+    got, opt = run({"optimizer": "cpu", "ratio": "auto", "gpu_memory": budget / 0.9}, example)
+    assert opt.config.offload.ratio == expected
+    assert 0 < sum(b.offloaded for b in opt.partition.trainable_buckets) < len(opt.partition.trainable_buckets)
+    assert torch.equal(got, run({})[0])
+
+
+def test_auto_refuses_what_it_cannot_price():
+    model = Net()
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="needs the loss and one micro-batch"):
+        ZeroOptimizer(adamw, model, stage=2, offload={"optimizer": "cpu", "ratio": "auto", "gpu_memory": 1e9})
+    with pytest.raises(ValueError, match="set offload.gpu_memory"):
+        ZeroOptimizer(adamw, model, stage=2, offload={"optimizer": "cpu", "ratio": "auto"},
+                      example=zero.StepExample(loss=lambda m, x: m(x).sum(), batch=(torch.randn(2, 6),)))
+    with pytest.raises(ValueError, match="budget of ratio='auto'"):
+        ZeroConfig(offload={"optimizer": "cpu", "gpu_memory": 1e9})
+    with pytest.raises(ValueError, match="used only by offload.ratio='auto'"):
+        ZeroOptimizer(adamw, model, stage=2, example=zero.StepExample(loss=lambda m, x: m(x).sum(), batch=()))
+    with pytest.raises(ValueError, match="even the whole optimizer side on the host needs"):
+        ZeroOptimizer(adamw, model, stage=2, offload={"optimizer": "cpu", "ratio": "auto", "gpu_memory": 1e3},
+                      example=zero.StepExample(loss=lambda m, x: m(x).sum(), batch=(torch.randn(2, 6),)))

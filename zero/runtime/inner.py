@@ -46,8 +46,12 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, buckets) -> torch.optim.
         hyper = {k: v for k, v in group.items() if k != "params"}
         pieces = [p.tensor for b in buckets for p in b.pieces if p.slot.group_index == gi]
         groups.append({**hyper, "params": pieces})
+    return same_kind(optimizer, groups)
+
+
+def same_kind(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and defaults (those its constructor takes) over ``params``."""
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-    return cls(groups, **kwargs)
+    return cls(params, **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})

@@ -1,0 +1,137 @@
+"""``offload.ratio="auto"``: the planner's partial offload, chosen when :class:`zero.ZeroOptimizer` is built.
+
+The estimator prices one step of this rank (``zero.estimator``: the model's forward and backward traced on fake
+tensors, replayed with the optimizer's own buckets) at each ratio where one more bucket goes to the host, and the
+smallest ratio whose peak fits the budget is taken (``zero.estimator.partial_offload.least_offload``): as much of
+the optimizer side as fits stays on the device and steps there, in parallel with the host's part. Tracing needs the
+loss and one micro-batch, which the constructor does not otherwise have: :class:`StepExample` carries them.
+
+The budget is ``offload.gpu_memory`` if given, else what the device can give this process when the optimizer is
+built (``torch.cuda.mem_get_info()``'s free bytes plus what torch's caching allocator already holds, the model's
+parameters included, since the estimate counts them), times a headroom of 0.9 (as ``zero.estimator.plan``: the rest
+is the allocator's fragmentation and what the estimate does not see, such as library workspaces).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.config import ZeroConfig
+from zero.estimator import Workload, estimate
+from zero.estimator.partial_offload import least_offload, offload_boundaries
+from zero.estimator.workload import POLICIES
+from zero.runtime.inner import same_kind
+from zero.sizes import format_bytes
+
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class StepExample:
+    """One training step of this rank, for ``offload.ratio="auto"``: ``loss(model, *batch)`` returns the scalar loss
+    exactly as the training loop computes it (e.g. ``lambda model, x, y: F.cross_entropy(model(x), y)``), and
+    ``batch`` is one micro-batch of this rank (real tensors, or anything with their shapes and dtypes)."""
+
+    loss: Callable[..., torch.Tensor]
+    batch: tuple
+
+
+def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimizer: torch.optim.Optimizer,
+                   model: nn.Module, example: StepExample | None, process_group: Any,
+                   device: torch.device | str | None) -> ZeroConfig:
+    """``config`` with ``overrides`` applied, and ``offload.ratio="auto"`` replaced by the ratio chosen for
+    ``example`` (see the module docstring)."""
+    if config is None:
+        config = ZeroConfig(**overrides)
+    elif not isinstance(config, ZeroConfig):
+        raise ValueError(f"config must be a zero.ZeroConfig, got {type(config).__name__}")
+    else:
+        config = ZeroConfig(**{**config.model_dump(), **overrides})  # re-validated
+    if config.offload.ratio != "auto":
+        if example is not None:
+            raise ValueError("example= is used only by offload.ratio='auto'; remove it, or set the ratio to 'auto'")
+        return config
+    world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    ratio = auto_ratio(config, optimizer, model, example, world_size, _device(model, device))
+    return config.model_copy(update={"offload": config.offload.model_copy(update={"ratio": ratio})})
+
+
+def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module, example: StepExample | None,
+               world_size: int, device: torch.device) -> float:
+    """The smallest ``offload.ratio`` whose estimated peak fits the budget (see the module docstring); says which,
+    and why, on rank 0's stderr."""
+    if example is None:
+        raise ValueError(
+            "offload.ratio='auto' prices the step with the estimator, which needs the loss and one micro-batch: pass "
+            "example=zero.StepExample(loss=lambda model, x, y: ..., batch=(x, y)) to ZeroOptimizer, or choose the "
+            "ratio with `zero estimate --gpu-memory` (or zero.estimator.plan) and set offload.ratio to it")
+    precision = next((name for name, policy in POLICIES.items() if policy == config.precision), None)
+    if precision is None:
+        raise ValueError(
+            f"offload.ratio='auto': the estimator prices fp32 and bf16 parameters (with bf16 or fp32 reduction), not "
+            f"precision={config.precision.model_dump(exclude_defaults=True)}; set offload.ratio to a number")
+    budget = HEADROOM * _device_memory(config, device)
+    workload = Workload(build=lambda: _fake_copy(model, device), loss=example.loss, batch=lambda micro: example.batch,
+                        optimizer=lambda params: same_kind(optimizer, params))
+    checkpointing = config.activation_checkpointing if config.activation_checkpointing is not None else False
+    _say(f"offload.ratio='auto': pricing one step at each ratio (budget {format_bytes(budget)})")
+
+    def priced(ratio: float) -> Any:
+        return estimate(workload, stage=config.stage, world_size=world_size, micro_batch=1, precision=precision,
+                        offload="cpu", params_offload=config.offload.params, checkpointing=checkpointing,
+                        bucket_size_mb=config.bucket_size_mb, max_in_flight_buckets=config.max_in_flight_buckets,
+                        prefetch_units=config.prefetch_units, communication=config.communication,
+                        offload_ratio=ratio)
+
+    full = priced(1.0)
+    if full.peak > budget:
+        raise ValueError(
+            f"offload.ratio='auto': even the whole optimizer side on the host needs {format_bytes(full.peak)} of "
+            f"device memory at {full.event} ({full.phase}), over the budget of {format_bytes(budget)}. Offload "
+            "parameters too (offload.params='cpu', stage 3), checkpoint activations, use a smaller micro-batch or "
+            "more ranks (see `zero estimate --gpu-memory`)")
+    layout = workload.layout(config.stage, full.group_size, precision, config.bucket_size_mb)
+    chosen = least_offload(priced, offload_boundaries(layout), full, budget)
+    _say(f"offload.ratio='auto' -> {chosen.offload_ratio:.4g}: estimated peak {format_bytes(chosen.peak)} of the "
+         f"budget {format_bytes(budget)} (less offload would not fit; full offload: {format_bytes(full.peak)})")
+    return chosen.offload_ratio
+
+
+def _device_memory(config: ZeroConfig, device: torch.device) -> float:
+    if config.offload.gpu_memory is not None:
+        return config.offload.gpu_memory
+    if device.type != "cuda":
+        raise ValueError(f"offload.ratio='auto' on a {device.type} device: set offload.gpu_memory (the bytes the "
+                         "device may hold); it is measured only on CUDA")
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def _device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _fake_copy(model: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are new tensors of the same shapes on ``device``, made under
+    the estimator's fake-tensor mode (no storage is copied or allocated; shared parameters stay shared)."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return copy.deepcopy(model, memo)
+
+
+def _say(text: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"zero: {text}", file=sys.stderr, flush=True)
