@@ -57,9 +57,10 @@ Measured, per contender:
   With ``R = N/g`` groups, HSDP reduce-scatters in the group and all-reduces each rank's shard (``Ψ/g``) across
   the ``R`` groups, and gathers in the group: ``4Ψ (3 (g-1)/g + 2 (R-1)/(R g))``; hpZ reduce-scatters over
   the world, gathers for forward over the world and for backward in the group, from the secondary copies:
-  ``4Ψ (2 (N-1)/N + (g-1)/g)``. On gloo ``zero``'s reduce-scatter is an all-reduce (``zero/comm.py``), which
-  sends twice the optimum (hence about 1.5 at stages 1-2); qgZ's all-to-all is not. Stage 3 keeps the root unit
-  and the last one forward ran gathered into backward, so it sends less than its 3Ψ;
+  ``4Ψ (2 (N-1)/N + (g-1)/g)``. On gloo ``zero``'s reduce-scatter is an all-reduce
+  (``zero/comm/communicator.py``), which sends twice the optimum (hence about 1.5 at stages 1-2); qgZ's
+  all-to-all is not. Stage 3 keeps the root unit and the last one forward ran gathered into backward, so it
+  sends less than its 3Ψ;
 * **exposed communication** = (step time - the same step on PyTorch's fake process group, where every
   collective returns at once) / step time. The fake run is a separate process per rank, started by the
   rank after the real run, both ranks at once (the same contention for the cores).
@@ -120,7 +121,7 @@ LR, WD = 3e-4, 0.1
 LOSS_RTOL, LOSS_RTOL_LOW = 1e-3, 3e-2  # largest relative loss gap to DDP over the run (fp32; lossy: bf16, quantized)
 BUCKET_MB = 25.0  # ZeroConfig's default bucket; DeepSpeed gets buckets of the same size
 BLOCK_SIZE = 256  # elements per quantization block (Communication's default)
-QUANTIZED_WIRE_BYTES = 1 + 4 / BLOCK_SIZE  # int8 values and one fp32 scale per block (zero.quantization)
+QUANTIZED_WIRE_BYTES = 1 + 4 / BLOCK_SIZE  # int8 values and one fp32 scale per block (zero.comm.quantization)
 TIME_LIMITS = {"zero-1": 1.05, "zero-2": 1.05, "zero-3": 1.15}  # step-time targets: largest ratio to DDP
 TIME_PEERS = (("zero-1", "zro"), ("zero-3", "fsdp2"))  # step-time targets: ours no slower than the peer
 DEVICE = (
@@ -143,7 +144,7 @@ class Spec:
     gather_wire_bytes: float | None = None  # bytes per element a parameter gather sends (None: param_bytes; qwZ)
     reduce_wire_bytes: float | None = None  # bytes per element a gradient reduction sends (None: grad_bytes; qgZ)
     shard_size: int | None = None  # hierarchical sharding: ranks per shard group (None: one group of every rank)
-    hierarchy: str = "hsdp"  # with shard_size: "hsdp" or "hpz" (zero.communication)
+    hierarchy: str = "hsdp"  # with shard_size: "hsdp" or "hpz" (zero.comm.policy)
     probe: bool = False  # may not run here (DeepSpeed's ZeRO++ on CPU): one step on a copy first, skipped if it fails
 
 

@@ -1,7 +1,7 @@
 """Gloo's collectives on one bucket: alone, and next to computation, in turn in one run.
 
 Times torch's ``all_reduce``, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (in place, as ``zero``'s
-buckets use them) and one ``broadcast`` per rank (what ``zero.comm`` issues for an all-gather on gloo) on a
+buckets use them) and one ``broadcast`` per rank (what ``zero.comm.communicator`` issues for an all-gather on gloo) on a
 buffer of each size asked for. Each is timed alone (barrier to completion) and launched asynchronously
 while the rank computes (matrix products of about the collective's duration): the computation's time then
 says how much the collective slows it (on a machine with few cores gloo's threads share them with it).

@@ -1,4 +1,4 @@
-"""A test double for the collective codec seam (``zero.codec``): lossy in a known, bounded way, and counting.
+"""A test double for the collective codec seam (``zero.comm.codec``): lossy in a known, bounded way, and counting.
 
 :class:`Bf16WireCodec` sends every element as bfloat16 and decodes it back to the output's dtype, with the shape
 of ZeRO++'s codecs (issue 27): the all-gather moves this rank's shard in the wire dtype and decodes the other
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from zero.codec import Codec, Transport, Work, Works
+from zero.comm.codec import Codec, Transport, Work, Works
 
 WIRE = torch.bfloat16
 REL = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits

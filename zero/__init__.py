@@ -3,7 +3,7 @@
 from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
 from zero.checkpoint.consolidate import consolidate, load_consolidated
 from zero.checkpoint.portable import load_checkpoint, save_checkpoint
-from zero.communication import Communication
+from zero.comm.policy import Communication
 from zero.config import ZeroConfig
 from zero.estimator import estimate
 from zero.memory import ModelStateBytes, zero_model_state_bytes

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from zero.activations import ActivationCheckpointing
-from zero.communication import Communication
+from zero.comm.policy import Communication
 from zero.integrations.deepspeed_config import DeepSpeedConfig, read_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision

@@ -1,4 +1,4 @@
-"""What each rank runs in ``test_codec_world.py`` (the collective codec seam, ``zero.codec``).
+"""What each rank runs in ``test_codec_world.py`` (the collective codec seam, ``zero.comm.codec``).
 
 One world per world size runs both parts and returns plain data; the test compares it with exact values:
 
@@ -22,8 +22,8 @@ from torch import nn
 from tests.codecs import Bf16WireCodec
 from tests.distributed.traffic_world import MIXED_CASES, steady_step_stats
 from zero import ZeroOptimizer
-from zero.codec import PerCollective, QuantizedGradients, QuantizedWeights
-from zero.comm import Communicator
+from zero.comm.codec import PerCollective, QuantizedGradients, QuantizedWeights
+from zero.comm.communicator import Communicator
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 N = 7  # elements per rank's chunk

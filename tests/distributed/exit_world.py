@@ -1,4 +1,5 @@
-"""What each rank runs in ``test_exit_world.py``: what a script's end needs of ``zero.comm`` (its module Note on exit).
+"""What each rank runs in ``test_exit_world.py``: what a script's end needs of ``zero.comm.communicator`` (its module
+Note on exit).
 
 * ``released``: every kind of collective a communicator starts on gloo, many times over (the race it guards against
   is one of thread scheduling); for each, the tensor objects gloo was given and whether gloo's worker thread still
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zero import ZeroOptimizer
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.models import GPT, GPTConfig, synthetic_batch
 
 ROUNDS = 40
@@ -33,7 +34,7 @@ def _gloo_workers() -> int:
 
 
 def _held(handle) -> list[torch.Tensor]:
-    """The tensor objects that ``handle``'s gloo works were started on (``zero.comm.Settled``)."""
+    """The tensor objects that ``handle``'s gloo works were started on (``zero.comm.communicator.Settled``)."""
     works = [handle._work]
     held = []
     while works:

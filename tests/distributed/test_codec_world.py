@@ -1,4 +1,4 @@
-"""The collective codec seam (``zero.codec``) in real gloo worlds of 1 (forced collectives), 2 and 3 ranks; see
+"""The collective codec seam (``zero.comm.codec``) in real gloo worlds of 1 (forced collectives), 2 and 3 ranks; see
 ``codec_world`` for what each rank runs, and ``tests.codecs`` for the test double and its bound.
 
 * The identity codec, the default, gives what ``comm.py``'s raw calls gave before the seam, bit for bit, and the
@@ -15,7 +15,7 @@
   (observed, 2 and 3 ranks: losses within 2.0e-5, parameters 6.9e-5 at stage 3, 3.9e-4 to 5.9e-4 at stage 2);
   and the lossy wire really changed them.
 * ZeRO++'s codecs (``QuantizedWeights``, ``QuantizedGradients``, block-wise int8): every element within the bound
-  ``zero.quantization`` states, this rank's own chunk exact, the int8 packets counted as the bytes on the wire; and
+  ``zero.comm.quantization`` states, this rank's own chunk exact, the int8 packets counted as the bytes on the wire; and
   trained through ``ZeroConfig.communication`` (qgZ at stage 2, qwZ and qgZ at stage 3): the same payload per
   step at about a quarter of the bytes, losses and parameters within 2% of the identity run's, and different.
   Also with int4 gradients (``gradient_bits=4``): within the int4 bound (and beyond the int8 one somewhere, so it is
@@ -45,7 +45,7 @@ from tests.distributed.codec_world import (
 )
 from tests.distributed.harness import run_world
 from tests.distributed.traffic_world import MIXED_CASES, estimated_stats, gpt_workload, measured
-from zero import quantization
+from zero.comm import quantization
 
 TRAIN_RTOL = 2.0**-8  # the double's bound: one bfloat16 rounding
 QUANTIZED_TRAIN_RTOL = 0.02  # int8 weights and gradients over STEPS steps of SGD
@@ -162,7 +162,7 @@ def test_training_through_the_double_is_within_its_bound_of_the_identity_run(cod
         assert identity["losses"] != double["losses"]
 
 
-# ----- the real codecs: ZeRO++'s qwZ and qgZ (zero.codec.QuantizedWeights, QuantizedGradients) ------------------
+# ----- the real codecs: ZeRO++'s qwZ and qgZ (zero.comm.codec.QuantizedWeights, QuantizedGradients) ------------------
 
 
 def test_quantized_gathers_are_within_their_stated_bound_and_keep_this_ranks_chunk_exact(codec_world):

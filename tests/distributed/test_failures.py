@@ -18,7 +18,7 @@ from torch import nn
 from tests.distributed.harness import ROOT, free_port, run_world
 from tests.toy import Blocks
 from zero import ZeroOptimizer
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 
 
 def _one_rank_skips_backward(rank: int, world_size: int) -> str:

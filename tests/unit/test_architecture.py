@@ -1,7 +1,7 @@
 """The package's shape, checked from its source (nothing is imported): the dependencies between ``zero``'s modules
 go one way (no import cycle, function-level imports included), no module is over 400 lines, ``zero/optimizer.py``
-is a thin facade (at most 250 lines), and only ``zero/comm.py`` calls ``torch.distributed``'s collectives (every
-other module, a collective codec included, goes through its ``Communicator``)."""
+is a thin facade (at most 250 lines), and only ``zero/comm/communicator.py`` calls ``torch.distributed``'s
+collectives (every other module, a collective codec included, goes through its ``Communicator``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zero"
 MAX_LINES = 400
 MAX_OPTIMIZER_LINES = 250
-COMMUNICATOR = "zero/comm.py"  # the one module that calls torch.distributed's collectives
+COMMUNICATOR = "zero/comm/communicator.py"  # the one module that calls torch.distributed's collectives
 DISTRIBUTED = ("torch.distributed", "torch.distributed.distributed_c10d")
 COLLECTIVE = re.compile(r"_?(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|barrier|monitored_barrier)\w*")
 FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
@@ -39,53 +39,88 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _nodes(tree: ast.AST) -> list[ast.AST]:
+def _nodes(tree: ast.AST, type_checking: bool = False) -> list[ast.AST]:
     """Every node of ``tree`` (at any depth: in functions and classes too) except what an
-    ``if TYPE_CHECKING:`` block holds (its ``else`` is kept: that runs)."""
+    ``if TYPE_CHECKING:`` block holds (its ``else`` is kept: that runs), unless ``type_checking``."""
     found: list[ast.AST] = []
     pending: list[ast.AST] = [tree]
     while pending:
         node = pending.pop()
         found.append(node)
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             pending.extend(node.orelse)
             continue
         pending.extend(ast.iter_child_nodes(node))
     return found
 
 
-def _imported_modules(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]) -> list[str]:
-    """The ``zero`` modules an import statement runs (outside modules are left out): ``import zero.a.b`` and
-    ``from zero.a import b`` (``b`` a module) name ``zero.a.b``; ``from zero.a import name`` names ``zero.a``."""
+def _under_type_checking(tree: ast.AST) -> set[int]:
+    """The ids of the nodes only an ``if TYPE_CHECKING:`` block runs (type checkers, not Python)."""
+    return {id(node) for node in _nodes(tree, type_checking=True)} - {id(node) for node in _nodes(tree)}
+
+
+def _deepest_module(target: str, modules: set[str]) -> str:
+    """``zero.a.b.name`` -> the deepest module it names (``zero.a.b``); ``""`` outside ``zero``."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _ancestors(name: str) -> list[str]:
+    """``zero.a.b`` -> ``["zero", "zero.a"]``: the packages Python imports before ``zero.a.b``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imported_modules(node: ast.Import | ast.ImportFrom, module: str, package: str, modules: set[str]) -> list[str]:
+    """The ``zero`` modules an import statement in ``module`` (of ``package``) runs or reads (outside modules are
+    left out):
+
+    * the module it names: ``import zero.a.b`` and ``from zero.a import b`` (``b`` a module) name ``zero.a.b``,
+      ``from zero.a import name`` names ``zero.a``;
+    * every package above it that is not above ``module`` too: importing ``zero.a.b`` runs ``zero/a/__init__.py``
+      first, unless ``module`` is inside ``zero.a`` (then that ``__init__`` is already running: it is what
+      imported ``module``, or Python imported it before ``module``);
+    * the package ``P`` of ``from P import x`` even when ``x`` is a submodule: the name is read from ``P``'s
+      namespace, i.e. from its ``__init__``, so a submodule of ``P`` importing ``from P import sibling`` depends
+      on ``P/__init__.py`` (and is in a cycle with it where that ``__init__`` imports the submodule).
+      ``import P.sub`` and ``from P.sub import x`` from inside ``P`` read nothing of ``P``'s ``__init__``."""
+    above = set(_ancestors(module))
+    named: list[str] = []
     if isinstance(node, ast.Import):
-        targets = [alias.name for alias in node.names]
+        named = [_deepest_module(alias.name, modules) for alias in node.names]
     else:
         base = node.module or ""
         if node.level:  # relative: up from this module's package
             parts = package.split(".")
             base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-    found = []
-    for target in targets:
-        while target and target not in modules:  # zero.a.b.name: the deepest module it names
-            target = target.rpartition(".")[0]
-        if target:
-            found.append(target)
-    return found
+        base = _deepest_module(base, modules)
+        if base:
+            named.append(base)  # read from: its __init__ when it is a package
+            named += [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+    found: list[str] = []
+    for target in filter(None, named):
+        found += [p for p in _ancestors(target) if p in modules and p not in above] + [target]
+    return list(dict.fromkeys(found))
 
 
 def import_graph() -> dict[str, dict[str, str]]:
-    """``{module: {module it imports: "file:line" of the first such import}}`` for every module of ``zero``."""
+    """``{module: {module it imports: "file:line" of the first such import}}`` for every module of ``zero``; an
+    import that only an ``if TYPE_CHECKING:`` block holds counts too (a cycle of types is still a cycle of the
+    design), its place marked ``(TYPE_CHECKING)``."""
     paths = {_module_name(p): p for p in _files()}
     graph: dict[str, dict[str, str]] = {}
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges: dict[str, str] = {}
-        imports = [n for n in _nodes(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
-        for node in sorted(imports, key=lambda n: n.lineno):
-            for target in _imported_modules(node, package, set(paths)):
+        tree = ast.parse(path.read_text())
+        typing_only = _under_type_checking(tree)
+        imports = [n for n in _nodes(tree, type_checking=True) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for node in sorted(imports, key=lambda n: (id(n) in typing_only, n.lineno)):  # a running import first
+            for target in _imported_modules(node, name, package, set(paths)):
                 if target != name:
-                    edges.setdefault(target, f"{_where(path)}:{node.lineno}")
+                    where = f"{_where(path)}:{node.lineno}"
+                    edges.setdefault(target, where + (" (TYPE_CHECKING)" if id(node) in typing_only else ""))
         graph[name] = edges
     return graph
 
@@ -125,6 +160,14 @@ def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
     return found
 
 
+def _targets(source: str, module: str, modules: set[str]) -> set[str]:
+    """What ``import_graph`` draws from ``module`` (a package where it has submodules in ``modules``) for
+    ``source``."""
+    package = module if any(m.startswith(module + ".") for m in modules) else module.rpartition(".")[0]
+    nodes = [n for n in _nodes(ast.parse(source), type_checking=True) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return {t for n in nodes for t in _imported_modules(n, module, package, modules) if t != module}
+
+
 def test_the_import_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "zero.optimizer" in graph["zero"]  # from zero.optimizer import ZeroOptimizer (in zero/__init__.py)
@@ -134,8 +177,31 @@ def test_the_import_graph_sees_every_kind_of_import():
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
                      "def f():\n    import c\n")
     names = {alias.name for n in _nodes(tree) if isinstance(n, ast.Import) for alias in n.names}
-    assert names == {"b", "c"}  # function-level imports count, TYPE_CHECKING-only ones do not
+    assert names == {"b", "c"}  # what runs: function-level imports count, TYPE_CHECKING-only ones do not
+    every = {alias.name for n in _nodes(tree, type_checking=True) if isinstance(n, ast.Import) for alias in n.names}
+    assert every == {"a", "b", "c"}  # what the import graph counts: a cycle of types is a cycle too
     assert cycles({"a": {"b": ""}, "b": {"c": ""}, "c": {"a": ""}, "d": {"a": ""}}) == [["a", "b", "c"]]
+
+
+def test_the_import_graph_sees_packages_run_and_read():
+    modules = {"z", "z.p", "z.p.a", "z.p.b", "z.q", "z.q.c"}
+    # from P import sibling, inside P: the name is read from P's __init__ (the profiler's old cycle)
+    assert _targets("from z.p import b", "z.p.a", modules) == {"z.p", "z.p.b"}
+    assert _targets("from . import b", "z.p.a", modules) == {"z.p", "z.p.b"}
+    assert _targets("from z.p import f", "z.p.a", modules) == {"z.p"}
+    # straight to the submodule, inside P: P's __init__ is already running and nothing is read from it
+    assert _targets("from z.p.b import f", "z.p.a", modules) == {"z.p.b"}
+    assert _targets("import z.p.b", "z.p.a", modules) == {"z.p.b"}
+    # from outside P: importing P.b runs P's __init__ first (zero.config reading zero.integrations.deepspeed_config)
+    assert _targets("from z.p.b import f", "z.q.c", modules) == {"z.p", "z.p.b"}
+    assert _targets("import z.p.b", "z.q.c", modules) == {"z.p", "z.p.b"}
+    assert _targets("def f():\n    from ..p import b", "z.q.c", modules) == {"z.p", "z.p.b"}
+    # a package's own __init__ importing its submodules depends on them, not on itself
+    assert _targets("from z.p import a\nfrom . import b", "z.p", modules) == {"z.p.a", "z.p.b"}
+    # an import only type checkers run counts (zero.deepspeed_config's old `if TYPE_CHECKING:` import of ZeroConfig)
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from z.q.c import C\n"
+    assert _targets(source, "z.p.a", modules) == {"z.q", "z.q.c"}
+    assert cycles({"z.p": {"z.p.a": ""}, "z.p.a": {"z.p": "", "z.p.b": ""}, "z.p.b": {}}) == [["z.p", "z.p.a"]]
 
 
 def test_no_import_cycle():
@@ -202,7 +268,7 @@ def test_the_collective_check_finds_each_spelling():
 
 
 def test_only_the_communicator_calls_collectives():
-    assert collective_calls((ROOT / COMMUNICATOR).read_text()), "the check finds zero/comm.py's own collectives"
+    assert collective_calls((ROOT / COMMUNICATOR).read_text()), f"the check finds {COMMUNICATOR}'s own collectives"
     elsewhere = {_where(p): calls for p in _files()
                  if _where(p) != COMMUNICATOR and (calls := collective_calls(p.read_text()))}
     assert not elsewhere, f"collectives called outside {COMMUNICATOR} (go through its Communicator): {elsewhere}"

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.codecs import Bf16WireCodec
-from zero.codec import Codec, IdentityCodec, Works
-from zero.comm import Communicator
+from zero.comm.codec import Codec, IdentityCodec, Works
+from zero.comm.communicator import Communicator
 
 TIMEOUT = datetime.timedelta(seconds=1)
 

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_world
-from zero.comm import Communicator
-from zero.comm_groups import resolve_device
-from zero.comm_handles import Chain
+from zero.comm.communicator import Communicator
+from zero.comm.groups import resolve_device
+from zero.comm.handles import Chain
 
 
 @pytest.fixture(autouse=True)

@@ -76,8 +76,8 @@ def test_bytes_on_the_wire_are_the_codecs(toy):
                             "reduce_scatter_x_fp32"), ("hierarchical+qwZ+qgZ", "all_gather", "all_gather_x_fp32"),
                             ("hierarchical+qwZ+qgZ", "reduce_scatter", "reduce_scatter_x_fp32")):
         stats, group = rows[mode]["stats"][kind], rows[mode]["group_size"]
-        # each rank's chunk of n elements is a packet (zero.quantization.packet_bytes) of n int8 values and n / BLOCK
-        # fp32 scales, and at most one padded block, 3 bytes of alignment and one more scale per call
+        # each rank's chunk of n elements is a packet (zero.comm.quantization.packet_bytes) of n int8 values and
+        # n / BLOCK fp32 scales, and at most one padded block, 3 bytes of alignment and one more scale per call
         low = 1 / 4 + 1 / BLOCK
         high = low + stats["calls"] * group * (BLOCK + 3 + 4) / (4 * stats["numel"])
         assert low <= rows[mode][key] <= high, (mode, kind, rows[mode][key], low, high)
@@ -88,7 +88,7 @@ def test_bytes_on_the_wire_are_the_codecs(toy):
         assert "inter_all_gather" not in row["stats"]  # parameters are gathered inside the group only
     # across the groups, each group's reduced shard (its reduce-scatter's payload / 2) and the flags of which
     # parameters got gradients (a few hundred bytes): in fp32, or with qgZ an all-to-all and an all-gather of int8
-    # packets of half the shard each (zero.codec.QuantizedGradients.all_reduce)
+    # packets of half the shard each (zero.comm.codec.QuantizedGradients.all_reduce)
     fp32 = rows["hierarchical"]["stats"]["reduce_scatter"]["numel"] * 4 / 2
     assert 0 <= rows["hierarchical"]["inter_grad_bytes"] - fp32 < 1024
     assert abs(rows["hierarchical"]["inter_grad_x_flat"] - 0.5) < 0.01

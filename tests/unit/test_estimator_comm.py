@@ -15,10 +15,10 @@ from torch import nn
 
 from zero import Communication, ZeroOptimizer
 from zero.cli.main import main as cli_main
+from zero.comm.quantization import packet_bytes
 from zero.estimator import Workload, estimate, plan
 from zero.estimator.traffic import Collective, Traffic, step_traffic
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.quantization import packet_bytes
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
 TINY = ["--vocab", "64", "--seq-len", "8", "--d-model", "32", "--layers", "2", "--heads", "2"]  # SMALL
@@ -61,7 +61,7 @@ def test_quantized_weights_send_int8_packets_about_a_quarter_of_fp32s_bytes():
     assert (fp32.dtype, int8.dtype) == ("fp32", "int8")
     assert int8.calls == fp32.calls and int8.numel == fp32.numel and fp32.bytes == 4 * fp32.numel
     assert 0.25 < int8.bytes / fp32.bytes < 0.27  # 1 + 4/256 bytes per element instead of 4: 0.254, and padding
-    # exactly: each gather of a bucket moves one packet per rank of its chunk (zero.quantization.packet_bytes)
+    # exactly: each gather of a bucket moves one packet per rank of its chunk (zero.comm.quantization.packet_bytes)
     layout = work.layout(3, world)
     gathers = {unit: 2 for unit in layout.units} | {"": 1, layout.units[-1]: 1}  # root and last unit: once
     assert int8.bytes == sum(gathers[b.unit or ""] * world * packet_bytes(b.wire.chunk, 256) for b in layout.buckets)
@@ -197,7 +197,7 @@ def test_hpz_backward_gathers_are_exact_under_quantized_weights():
 
 
 def test_hpz_over_the_whole_world_is_flat():
-    """A group of every rank keeps no copies (``zero.hierarchy`` runs it flat)."""
+    """A group of every rank keeps no copies (``zero.comm.hierarchy`` runs it flat)."""
     work = _gpt()
     hpz = estimate(work, stage=3, world_size=4, micro_batch=1, communication={"shard_size": 4, "hierarchy": "hpz"})
     flat = estimate(work, stage=3, world_size=4, micro_batch=1)
@@ -336,7 +336,7 @@ def test_cli_refuses_a_shard_size_that_does_not_divide_the_world_in_one_line(cap
 
 
 def test_hpz_over_groups_of_one_is_the_flat_layout():
-    """As DeepSpeed's zero_hpz_partition_size=1 (off), and as zero.hierarchy runs it."""
+    """As DeepSpeed's zero_hpz_partition_size=1 (off), and as zero.comm.hierarchy runs it."""
     hpz = estimate(_gpt(), stage=3, world_size=2, micro_batch=1, communication={"shard_size": 1, "hierarchy": "hpz"})
     flat = estimate(_gpt(), stage=3, world_size=2, micro_batch=1)
     assert hpz.secondary_size == 0 and hpz.peak == flat.peak

@@ -12,7 +12,7 @@ import torch
 from tests.readouts import flat_params
 from tests.toy import Net, batch
 from zero import ZeroOptimizer
-from zero.comm import Handle
+from zero.comm.handles import Handle
 
 STAGES = (0, 1, 2, 3)
 

@@ -1,4 +1,4 @@
-"""Block-wise int8 quantization (``zero.quantization``), the wire format of the quantized codecs: the packet's
+"""Block-wise int8 quantization (``zero.comm.quantization``), the wire format of the quantized codecs: the packet's
 size, the stated bound on every element (property-tested over sizes, blocks, magnitudes and dtypes), exactness
 where it must be exact, and non-finite values never hidden."""
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero import quantization
-from zero.communication import Communication
+from zero.comm import quantization
+from zero.comm.policy import Communication
 
 
 def _encoded(chunks: torch.Tensor, block: int, bits: int = 8) -> torch.Tensor:

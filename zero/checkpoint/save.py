@@ -17,7 +17,7 @@ from zero.checkpoint.progress import Progress, ProgressArg
 from zero.checkpoint.schema import FORMAT, CheckpointMetadata, part_name
 from zero.checkpoint.shard_header import class_name
 from zero.checkpoint.tensorfile import Spec
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.optimizer import ZeroOptimizer
 from zero.runtime.bucket import Bucket
 from zero.version import __version__

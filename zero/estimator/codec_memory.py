@@ -1,16 +1,16 @@
-"""What the collective codecs (:mod:`zero.codec`) hold on the device beside the buffers they fill, per bucket, for
+"""What the collective codecs (:mod:`zero.comm.codec`) hold on the device beside the buffers they fill, per bucket, for
 the schedule (:mod:`zero.estimator.schedule`). With ``C`` one rank's chunk of a bucket, ``g`` the ranks it is
-sharded over and ``packet = zero.quantization.packet_bytes(C, block_size, bits)``:
+sharded over and ``packet = zero.comm.quantization.packet_bytes(C, block_size, bits)``:
 
 * the identity codec (exact communication): nothing;
 * quantized weights (ZeRO++ qwZ), each all-gather of a bucket: its own packet and the group's (``(1 + g)
   packets``) from its start until it is waited for; decoding holds one fp32 slice besides
-  (``zero.quantization.decode_bytes``). hpZ's gathers from the secondary copies are exact: nothing;
+  (``zero.comm.quantization.decode_bytes``). hpZ's gathers from the secondary copies are exact: nothing;
 * quantized gradients (ZeRO++ qgZ, int8 or int4), each reduction of a bucket: its ``g`` packets while it encodes
   them (through one fp32 slice of ``g`` rows, ``scratch_bytes``), then also the ``g`` it receives until it is
   waited for; decoding holds the sum's fp32 slice and one decoded slice besides;
 * with HSDP, each bucket's sum across the ``r`` groups (qgZ's all-reduce of the shard) from its start (when the next
-  bucket launches, ``zero.comm_handles.Chain.advance``, or at the wait) to its wait: a padded fp32 copy of the shard,
+  bucket launches, ``zero.comm.handles.Chain.advance``, or at the wait) to its wait: a padded fp32 copy of the shard,
   this rank's chunk of the sum and its packets, and at the wait the slices that decode, encode, share and decode
   the sum. (The reduction inside the group is over by then: its packets went with its wait.)
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero.communication import Communication
+from zero.comm.policy import Communication
+from zero.comm.quantization import decode_bytes, packet_bytes, scratch_bytes
 from zero.estimator.traffic import Wire
-from zero.quantization import decode_bytes, packet_bytes, scratch_bytes
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class CodecMemory:
         return scratch_bytes(1, n, self.block) + decode_bytes(n, self.block, self.bits)
 
     def across(self, wire: Wire | None) -> tuple[int, int, int, int]:
-        """HSDP's sum of the bucket's shard across the groups (qgZ's all-reduce, ``zero.codec``), from its start
+        """HSDP's sum of the bucket's shard across the groups (qgZ's all-reduce, ``zero.comm.codec``), from its start
         (when the next bucket launches, or at the wait) to its wait: what it holds while it encodes its packets, the
         slice it encodes them through, what it holds once they are sent, and what it holds besides at its wait
         (decoding the sum, then encoding, sharing and decoding it). Zeros without it."""

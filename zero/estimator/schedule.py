@@ -181,7 +181,7 @@ class _Reduction:
 
     def _advance(self, bucket: BucketBytes, on_peak: Callable[[], None]) -> None:
         """HSDP: the reduction inside the group is waited for (decoded while its packets are held, which go with
-        the wait) and the sum across the groups starts (``zero.comm_handles.Chain.advance``)."""
+        the wait) and the sum across the groups starts (``zero.comm.handles.Chain.advance``)."""
         if self.options.codec.replicas == 1 or id(bucket) in self.across:  # (flat: nothing to advance)
             return
         if id(bucket) in self.packets:  # (decoded while its packets are held; they go with the wait)

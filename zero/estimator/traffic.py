@@ -1,5 +1,5 @@
 """What one training step sends: rank 0's collectives under a ``ZeroConfig.communication`` policy, counted as
-``opt.comm_stats`` counts them (:mod:`zero.comm`).
+``opt.comm_stats`` counts them (:mod:`zero.comm.communicator`).
 
 The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memory estimate prices,
 ``zero.runtime.plan``) and, at stage 3, how often the replayed step gathers each unit
@@ -7,7 +7,7 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
 
 * every trainable bucket's gradients: stage 0 all-reduces its staging buffer; stages 1-3 reduce-scatter it (the
   padded bucket, ``P`` elements in the reduce dtype), or with quantized gradients (ZeRO++ qgZ) send one all-to-all
-  of ``group`` packets of ``packet_bytes(C, block_size)`` bytes (``zero.quantization``; ``C = P / group``);
+  of ``group`` packets of ``packet_bytes(C, block_size)`` bytes (``zero.comm.quantization``; ``C = P / group``);
 * stages 1-2: every trainable bucket's parameters all-gathered after the step (``P``, the parameters' dtype);
   stage 3: every bucket of a unit, each time the unit is gathered (or ``group`` packets with quantized weights,
   ZeRO++ qwZ);
@@ -35,7 +35,7 @@ level      between which ranks                                                  
            the secondary copies)
 =========  ====================================================================  =====================
 
-(``opt.comm_stats``' ``intra_`` is ``zero.hierarchy``'s name for hpZ's group communicator; here ``"intra"`` keeps
+(``opt.comm_stats``' ``intra_`` is ``zero.comm.hierarchy``'s name for hpZ's group communicator; here ``"intra"`` keeps
 its meaning of the group the parameters are sharded over, so hpZ's group is the level ``"hpz"``.) ``numel`` is the
 ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on the wire
 (quantized: the int8 blocks and their fp32 scales), as the communicator counts them; a group of one sends nothing.
@@ -51,10 +51,10 @@ from typing import Any, Mapping, Union
 import torch
 from pydantic import ValidationError
 
-from zero.communication import Communication
+from zero.comm.policy import Communication
+from zero.comm.quantization import packet_bytes
 from zero.config import ZeroConfig
 from zero.precision import DTYPES
-from zero.quantization import packet_bytes
 
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
 PREFIXES = {"intra": "", "inter": "inter_", "hpz": "intra_"}  # opt.comm_stats' name of a level's <kind>
@@ -141,7 +141,7 @@ def communication_policy(communication: CommunicationArg, world_size: int) -> tu
 
 def secondary_size(policy: Communication, world_size: int) -> int:
     """hpZ: the ranks of a group holding the secondary copies (``shard_size``); 0 without copies (another hierarchy,
-    or hpZ's group is every rank or a single one, which ``zero.hierarchy`` runs flat, as DeepSpeed's
+    or hpZ's group is every rank or a single one, which ``zero.comm.hierarchy`` runs flat, as DeepSpeed's
     ``zero_hpz_partition_size=1`` is off)."""
     size = policy.group_size(world_size)
     return size if policy.hierarchy == "hpz" and 1 < size < world_size else 0
@@ -226,7 +226,7 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
 def _shard_across(add: Any, w: Wire, policy: Communication, replicas: int) -> None:
     """HSDP: the bucket's reduced shard (``C``) all-reduced across the ``replicas`` groups; with quantized gradients
     one all-to-all of ``replicas`` packets of ``ceil(C / replicas)`` elements, then an all-gather of as many
-    (``zero.codec.QuantizedGradients.all_reduce``)."""
+    (``zero.comm.codec.QuantizedGradients.all_reduce``)."""
     if policy.quantized_gradients:
         piece = -(-w.chunk // replicas)
         packet = packet_bytes(piece, policy.block_size, policy.gradient_bits)

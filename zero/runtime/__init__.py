@@ -12,5 +12,5 @@
   optimizer step over this rank's shard;
 * ``build``: assembles all of it for the facade in :mod:`zero.optimizer`.
 
-Collectives are only in :mod:`zero.comm`.
+Collectives are only in :mod:`zero.comm.communicator`.
 """

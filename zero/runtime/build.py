@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from zero.activations import checkpoint_activations
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
+from zero.comm.hierarchy import codec_of, hierarchical
 from zero.config import ZeroConfig
-from zero.hierarchy import codec_of, hierarchical
 from zero.offload import check_host_memory, host_step_threads, warn_unfused_host_step
 from zero.precision import (
     DTYPES,

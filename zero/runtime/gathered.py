@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.runtime.bucket import Bucket
 from zero.runtime.placement import HOST
 from zero.runtime.reducer import GradState

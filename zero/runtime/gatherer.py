@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zero.comm import Communicator, Handle
+from zero.comm.communicator import Communicator, Handle
 from zero.outputs import tensors_in
 from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket

@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.gatherer import ParamGatherer

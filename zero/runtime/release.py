@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.runtime.bucket import Bucket
 from zero.runtime.placement import HOST
 

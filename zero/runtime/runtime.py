@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zero.comm import Communicator
+from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.kernels.grad_norm import scale_, tensor_norms, total_norm
 from zero.precision import DTYPES, cast_inputs

@@ -15,7 +15,7 @@ hpZ; a copy is never read stale.
 
 from __future__ import annotations
 
-from zero.comm import Communicator, Handle
+from zero.comm.communicator import Communicator, Handle
 from zero.runtime.bucket import Bucket
 
 

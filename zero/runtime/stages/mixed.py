@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import Communicator, Handle
+from zero.comm.communicator import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.stages.stage1 import Stage1
 from zero.runtime.stages.stage2 import StagedReduction

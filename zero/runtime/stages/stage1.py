@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import Communicator, Handle
+from zero.comm.communicator import Communicator, Handle
 from zero.runtime.bucket import Bucket, ParamSlot
 from zero.runtime.sharded_grad import sharded_grad
 from zero.runtime.stages.stage0 import Stage0

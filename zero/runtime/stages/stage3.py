@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import Communicator, Handle
+from zero.comm.communicator import Communicator, Handle
 from zero.runtime.bucket import Bucket
 from zero.runtime.sharded_param import make_sharded, placeholder, set_data
 from zero.runtime.stages.stage2 import Stage2

@@ -1,20 +1,20 @@
 """Collective codecs: how an all-gather or a reduce-scatter encodes what it moves.
 
-Every all-gather and reduce-scatter of :class:`~zero.comm.Communicator` passes through its ``codec``. The
+Every all-gather and reduce-scatter of :class:`~zero.comm.communicator.Communicator` passes through its ``codec``. The
 communicator checks devices and sizes, takes the world-of-one fast path (nothing sent, no codec involved),
-counts the collective and wraps what the codec returns in a :class:`~zero.comm.Handle` (timeout, abort,
+counts the collective and wraps what the codec returns in a :class:`~zero.comm.handles.Handle` (timeout, abort,
 time waited); the codec decides everything in between: the wire format (dtype, packing, scales) and, for a
 reduction, the algorithm. It never calls ``torch.distributed``: the communicator hands it a
 :class:`Transport`, the raw collectives over its group, and the codec composes them.
 
 :class:`IdentityCodec`, the default, sends the tensors themselves, in one collective each. The others are ZeRO++'s
-(Wang et al., 2023), over the block-wise int8 format of :mod:`zero.quantization`, chosen by
-``ZeroConfig.communication`` (:mod:`zero.hierarchy` builds them; :class:`PerCollective` pairs one for each kind):
+(Wang et al., 2023), over the block-wise int8 format of :mod:`zero.comm.quantization`, chosen by
+``ZeroConfig.communication`` (:mod:`zero.comm.hierarchy` builds them; :class:`PerCollective` pairs one for each kind):
 
 * **qwZ**, block-quantized weights (:class:`QuantizedWeights`): :meth:`Codec.all_gather` quantizes this rank's
   shard to int8 with one scale per block (e.g. 256 elements), all-gathers the int8 blocks and their scales, and on
   ``wait()`` dequantizes every other rank's chunk into ``output`` in the compute dtype. (All-gathers move
-  parameters: stage 3's gathers, the only ones ``ZeroConfig`` lets it quantize; see ``zero.communication``.)
+  parameters: stage 3's gathers, the only ones ``ZeroConfig`` lets it quantize; see ``zero.comm.policy``.)
 * **qgZ**, quantized gradient reduction (:class:`QuantizedGradients`): :meth:`Codec.reduce_scatter` quantizes each
   destination's chunk of the gradients, exchanges them with one :meth:`Transport.all_to_all` (chunk ``r`` goes to
   rank ``r``) and, on ``wait()``, dequantizes the ``world_size`` chunks it received and sums them in fp32 into
@@ -50,7 +50,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from zero import quantization
+import zero.comm.quantization as quantization
 
 
 class Work(Protocol):
@@ -83,7 +83,8 @@ class Works:
 
 
 class Transport(Protocol):
-    """The raw collectives over one communicator's group, for a codec to compose (``zero.comm`` implements it).
+    """The raw collectives over one communicator's group, for a codec to compose (:mod:`zero.comm.communicator`
+    implements it).
 
     Each call starts one asynchronous collective and adds its payload's bytes to the current collective's
     ``bytes`` (bytes on the wire). Tensors are 1D, contiguous, on ``device``; sizes are checked, dtypes are the
@@ -116,9 +117,9 @@ class Transport(Protocol):
 
 
 class Codec:
-    """How the all-gathers and reduce-scatters of a :class:`~zero.comm.Communicator` encode what they move (see
-    the module's docstring for the contract). A subclass overrides both methods; each returns the work whose
-    ``wait()`` completes the collective."""
+    """How the all-gathers and reduce-scatters of a :class:`~zero.comm.communicator.Communicator` encode what they
+    move (see the module's docstring for the contract). A subclass overrides both methods; each returns the work
+    whose ``wait()`` completes the collective."""
 
     exact_gather = True  # False: all-gathers are lossy (values gathered for training are not the shards')
 
@@ -151,7 +152,7 @@ class IdentityCodec(Codec):
 
 
 class BlockQuantized(IdentityCodec):
-    """A codec over :mod:`zero.quantization`'s blocks of ``block`` elements, ``bits`` per value (8, or 4), what the
+    """A codec over :mod:`zero.comm.quantization`'s blocks of ``block`` elements, ``bits`` per value (8, or 4), what the
     identity does otherwise."""
 
     def __init__(self, block: int, bits: int = 8):
@@ -163,7 +164,7 @@ class BlockQuantized(IdentityCodec):
     def _sum_into(self, output: torch.Tensor, received: torch.Tensor, own: torch.Tensor, rank: int) -> None:
         """``output`` (``n`` elements, any dtype) := the fp32 sum, in rank order, of the packets ``received`` (one per
         rank, of chunks of ``n``), with this rank's chunk ``own`` (exact; ``output`` may alias it) in place of its
-        packet. A slice at a time (:func:`zero.quantization.slices`): the scratch stays small."""
+        packet. A slice at a time (:func:`zero.comm.quantization.slices`): the scratch stays small."""
         n = output.numel()
         packets = received.view(-1, quantization.packet_bytes(n, self.block, self.bits))
         for start, stop in quantization.slices(n, self.block):  # (no slice outlives its iteration)
@@ -179,7 +180,7 @@ class BlockQuantized(IdentityCodec):
 
 
 class QuantizedWeights(BlockQuantized):
-    """ZeRO++'s qwZ: all-gathers move block-quantized int8 (:mod:`zero.quantization`, a scale per ``block``
+    """ZeRO++'s qwZ: all-gathers move block-quantized int8 (:mod:`zero.comm.quantization`, a scale per ``block``
     elements), decoded into the output's dtype; reduce-scatters are the identity's.
 
     Bytes on the wire per element: ``1 + 4 / block`` instead of the dtype's size (about 0.27 of fp32's and 0.52 of
@@ -210,7 +211,7 @@ class QuantizedWeights(BlockQuantized):
 
 class QuantizedGradients(BlockQuantized):
     """ZeRO++'s qgZ: a reduce-scatter is one all-to-all of block-quantized int8 chunks (chunk ``r`` of every rank
-    goes to rank ``r``, :mod:`zero.quantization`), decoded and summed in fp32 on the receiver in rank order, with
+    goes to rank ``r``, :mod:`zero.comm.quantization`), decoded and summed in fp32 on the receiver in rank order, with
     this rank's own chunk exact: each gradient is quantized once, not once per hop as a quantized ring all-reduce
     would compound. All-gathers are the identity's.
 

@@ -1,5 +1,6 @@
-"""What a :class:`~zero.comm.Communicator` needs of its process group besides collectives: the device it sends
-from, a refusal of a launcher's world without a process group, and aborting the group after a failed collective."""
+"""What a :class:`~zero.comm.communicator.Communicator` needs of its process group besides collectives: the device
+it sends from, a refusal of a launcher's world without a process group, and aborting the group after a failed
+collective."""
 
 from __future__ import annotations
 

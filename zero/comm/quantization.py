@@ -1,4 +1,4 @@
-"""Block-wise absmax int8 quantization: the wire format of ZeRO++'s quantized collectives (:mod:`zero.codec`).
+"""Block-wise absmax int8 quantization: the wire format of ZeRO++'s quantized collectives (:mod:`zero.comm.codec`).
 
 A chunk of ``n`` elements is cut into blocks of ``block`` elements (the last one padded with zeros). Each block
 is sent as ``block`` int8 values ``q = round(x / s)`` and one fp32 scale ``s = max|x| / 127`` (absmax, symmetric),

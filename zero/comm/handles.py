@@ -1,5 +1,6 @@
-"""What a :class:`~zero.comm.Communicator` returns and counts: the :class:`Handle` of an in-flight collective
-(timeout, abort, time waited) and the per-kind counters of payload and bytes on the wire (:class:`CommStats`)."""
+"""What a :class:`~zero.comm.communicator.Communicator` returns and counts: the :class:`Handle` of an in-flight
+collective (timeout, abort, time waited) and the per-kind counters of payload and bytes on the wire
+(:class:`CommStats`)."""
 
 from __future__ import annotations
 

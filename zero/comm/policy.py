@@ -1,12 +1,12 @@
 """Communication: the policy (``ZeroConfig.communication``) for what crosses the wire and between which ranks.
 
 * ``quantized_weights`` (ZeRO++'s qwZ, stage 3): each unit's all-gather moves int8 blocks with one fp32 scale per
-  ``block_size`` elements (:class:`zero.codec.QuantizedWeights`), decoded into the compute dtype. The master
+  ``block_size`` elements (:class:`zero.comm.codec.QuantizedWeights`), decoded into the compute dtype. The master
   weights, the optimizer and the step stay exact; only the copies forward and backward read are rounded, within
   ``max|x| / 254`` of each value (``max`` over its block). Gathers outside training
   (``opt.gathered_parameters()``, ``opt.close()``) are exact.
 * ``quantized_gradients`` (ZeRO++'s qgZ, stages 1-3): each gradient reduce-scatter is one all-to-all of int8 blocks
-  summed in fp32 on the receiving rank (:class:`zero.codec.QuantizedGradients`); ``gradient_bits=4`` sends int4
+  summed in fp32 on the receiving rank (:class:`zero.comm.codec.QuantizedGradients`); ``gradient_bits=4`` sends int4
   instead (two values a byte, as ZeRO++'s qgZ does inside a machine): half the bytes again, within ``max|x| / 14``.
 * ``shard_size`` (hierarchical sharding, FSDP2's HSDP): shard over groups of ``shard_size`` consecutive ranks (one
   machine: ``"local"`` takes torchrun's ``LOCAL_WORLD_SIZE``) and replicate across the groups. Gradients are
@@ -20,7 +20,7 @@
   never does. Exact. (Groups of one rank, or of every rank, are the flat layout: as DeepSpeed's
   ``zero_hpz_partition_size=1``, off.)
 
-Quantization is lossy and off by default; its bounds are stated in :mod:`zero.quantization` and tested.
+Quantization is lossy and off by default; its bounds are stated in :mod:`zero.comm.quantization` and tested.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ Hierarchical sharding (FSDP2's HSDP) lays the ``world_size`` ranks out as ``repl
 Each row (a shard group) shards the model as a flat world of ``shard_size`` ranks would; each column (the ranks
 holding the same shard) is a replica group. The runtime sees only the shard group's communicator, whose ``rank``
 and ``world_size`` are within the group, so the plan, the partition, the gatherer and checkpoints are those of a
-``shard_size``-rank world. What crosses the groups is that communicator's business (:class:`zero.comm.Communicator`,
-``replicas``): every reduce-scatter's shard is then all-reduced across the groups (gradients are divided by every
-rank's count before), broadcasts reach every rank, and the agreement on which parameters got gradients is taken
-over every rank.
+``shard_size``-rank world. What crosses the groups is that communicator's business
+(:class:`zero.comm.communicator.Communicator`, ``replicas``): every reduce-scatter's shard is then all-reduced
+across the groups (gradients are divided by every rank's count before), broadcasts reach every rank, and the
+agreement on which parameters got gradients is taken over every rank.
 
 ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) uses the same mesh differently: the runtime
 shards over every rank as without hierarchy, and the shard groups only carry backward's gathers from each rank's
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from zero.codec import Codec, IdentityCodec, PerCollective, QuantizedGradients, QuantizedWeights
-from zero.comm import Communicator
-from zero.communication import Communication
+from zero.comm.codec import Codec, IdentityCodec, PerCollective, QuantizedGradients, QuantizedWeights
+from zero.comm.communicator import Communicator
+from zero.comm.policy import Communication
 
 
 def codec_of(policy: Communication) -> Codec:

@@ -14,13 +14,13 @@ Every collective goes through a :class:`Communicator`, which
 Payload conventions (the ZeRO paper's): a reduce-scatter's payload is its input,
 an all-gather's its output, an all-reduce's and a broadcast's their tensor.
 
-Note: every all-gather and reduce-scatter passes through the communicator's ``codec`` (:mod:`zero.codec`),
+Note: every all-gather and reduce-scatter passes through the communicator's ``codec`` (:mod:`zero.comm.codec`),
 which decides how what it moves is encoded (the identity by default; ZeRO++'s block-quantized weights and
 all-to-all gradient reduction are the codecs this seam is for) and composes the raw collectives of a
 :class:`GroupTransport`, the only code that sends them. Their ``numel`` counts the payload above, their ``bytes``
 the bytes on the wire (the payload's own with the identity codec).
 
-Note: with hierarchical sharding (:mod:`zero.hierarchy`) the runtime's communicator is over one shard group and
+Note: with hierarchical sharding (:mod:`zero.comm.hierarchy`) the runtime's communicator is over one shard group and
 holds the communicator across the groups (``replicas``, HSDP) or counts a group's traffic as its own (hpZ's
 secondary gathers): ``levels``, reported by :meth:`Communicator.step_stats` as ``inter_<kind>`` / ``intra_<kind>``.
 
@@ -54,9 +54,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zero.codec import Codec, IdentityCodec, Work, Works
-from zero.comm_groups import abort_group, check_launcher_world, resolve_device
-from zero.comm_handles import Chain, CommStats, Handle, KindStats
+from zero.comm.codec import Codec, IdentityCodec, Work, Works
+from zero.comm.groups import abort_group, check_launcher_world, resolve_device
+from zero.comm.handles import Chain, CommStats, Handle, KindStats
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _SETTLE_S = 0.1  # the longest wait() waits for gloo's worker to let go of a finished collective's tensors
@@ -95,7 +95,7 @@ def _start(start: Callable[..., Any], backend: str, *tensors: torch.Tensor, **kw
 
 
 class GroupTransport:
-    """The raw collectives a codec composes (:class:`zero.codec.Transport`), over ``comm``'s group, each
+    """The raw collectives a codec composes (:class:`zero.comm.codec.Transport`), over ``comm``'s group, each
     adding its payload's bytes to ``stats`` (the entry of the collective being encoded): bytes on the wire."""
 
     def __init__(self, comm: Communicator, stats: KindStats):
@@ -152,9 +152,9 @@ class Communicator:
 
     ``device``: where every tensor sent must live (default: the current GPU with NCCL, else
     the CPU). ``force_collectives``: issue real collectives even in a world of one. ``codec``:
-    how all-gathers and reduce-scatters encode what they move (:mod:`zero.codec`; default
-    :class:`~zero.codec.IdentityCodec`); an attribute, which may be replaced between collectives.
-    ``replicas``: hierarchical sharding (:mod:`zero.hierarchy`): the communicator across the groups, over the
+    how all-gathers and reduce-scatters encode what they move (:mod:`zero.comm.codec`; default
+    :class:`~zero.comm.codec.IdentityCodec`); an attribute, which may be replaced between collectives.
+    ``replicas``: hierarchical sharding (:mod:`zero.comm.hierarchy`): the communicator across the groups, over the
     ranks that hold this rank's shard; this one's group is then the shard group (``rank`` and ``world_size`` are
     within it), its reduce-scatters sum across the groups too, and its broadcasts reach every rank.
     """
@@ -184,7 +184,7 @@ class Communicator:
         self.aborted = False  # set when a collective failed and the group was aborted
         self.stats = CommStats()
         # communicators whose traffic counts as this one's steps', by level: "inter" (across HSDP's groups: the
-        # replicas), "intra" (within hpZ's groups); zero.hierarchy sets them up
+        # replicas), "intra" (within hpZ's groups); zero.comm.hierarchy sets them up
         self.levels: dict[str, Communicator] = {"inter": replicas} if replicas is not None else {}
 
     def __repr__(self) -> str:
