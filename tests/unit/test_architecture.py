@@ -14,6 +14,7 @@ PACKAGE = ROOT / "zero"
 MAX_LINES = 400
 MAX_OPTIMIZER_LINES = 250
 COMMUNICATOR = "zero/comm/communicator.py"  # the one module that calls torch.distributed's collectives
+COMM = "zero.comm"  # the communication package: its modules import nothing else of zero
 DISTRIBUTED = ("torch.distributed", "torch.distributed.distributed_c10d")
 COLLECTIVE = re.compile(r"_?(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|barrier|monitored_barrier)\w*")
 FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
@@ -212,6 +213,17 @@ def test_no_import_cycle():
         edges = [f"  {a} -> {b} ({graph[a][b]})" for a in component for b in sorted(graph[a]) if b in component]
         described.append(" <-> ".join(component) + "\n" + "\n".join(edges))
     assert not found, "import cycles among zero's modules:\n" + "\n".join(described)
+
+
+def test_the_communication_package_imports_nothing_else_of_zero():
+    """``zero/comm/`` is the bottom of the stack (see its docstring): the runtime, checkpoints and the estimator
+    import from it, never the reverse."""
+    def inside(module: str) -> bool:
+        return module == COMM or module.startswith(COMM + ".")
+
+    outside = sorted(f"{m} -> {t} ({where})" for m, edges in import_graph().items() if inside(m)
+                     for t, where in edges.items() if not inside(t))
+    assert not outside, f"{COMM} imports other zero modules:\n" + "\n".join(outside)
 
 
 def test_no_module_over_400_lines():
