@@ -4,7 +4,7 @@ One world per world size runs both parts and returns plain data; the test compar
 
 * ``comm_checks``: all-gathers (out of place, in place, bfloat16) and reduce-scatters (out of place, in place), all
   launched before any is waited for, through a forced communicator with the default (identity) codec, through
-  today's raw ``torch.distributed`` calls (``comm.py``'s gloo path: one broadcast per rank, an all-reduce of the
+  today's raw ``torch.distributed`` calls (``communicator.py``'s gloo path: one broadcast per rank, an all-reduce of the
   input), through one with the test double (``tests.codecs.Bf16WireCodec``) and through the quantized codecs (int8,
   and int4 gradients);
 * ``training`` (world sizes 2 and 3): a small GPT trained with SGD at stages 2 and 3, once with the identity codec
@@ -83,7 +83,7 @@ def _run(comm: Communicator, inputs: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def _raw(rank: int, world_size: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same collectives as ``comm.py`` issued them before the codec seam (its gloo path)."""
+    """The same collectives as ``communicator.py`` issued them before the codec seam (its gloo path)."""
     out = {}
     for name in ("gather", "gather_bf16"):
         chunks = [inputs[name].clone() if r == rank else torch.empty_like(inputs[name]) for r in range(world_size)]

@@ -1,7 +1,7 @@
 """The collective codec seam (``zero.comm.codec``) in real gloo worlds of 1 (forced collectives), 2 and 3 ranks; see
 ``codec_world`` for what each rank runs, and ``tests.codecs`` for the test double and its bound.
 
-* The identity codec, the default, gives what ``comm.py``'s raw calls gave before the seam, bit for bit, and the
+* The identity codec, the default, gives what ``communicator.py``'s raw calls gave before the seam, bit for bit, and the
   same counters (``numel`` the ZeRO paper's payload, ``bytes`` that payload's bytes).
 * The double (every element as bfloat16 on the wire; the reduce-scatter an all-to-all summed in fp32 on the
   receiver) is within its stated bound of the exact results, keeps this rank's own chunk of an all-gather exact,
