@@ -17,7 +17,10 @@ was measured):
    2, Hugging Face Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads) at stage 3 fp32, 4 x 512 tokens;
 6. ``cap``: under a 4 GiB cap (``torch.cuda.set_per_process_memory_fraction``), the largest GPT of width 2560 that
    plain PyTorch trains and the largest that stage 3 with optimizer and parameters offloaded trains (bf16,
-   activation checkpointing, ``zero.init_sharded``), with the latter's step time against the same model resident.
+   activation checkpointing, ``zero.init_sharded``), with the latter's step time against the same model resident;
+7. ``offload``: ``benchmarks/offload_speed.py`` (issue 35): the 1.28B and 2.6B GPTs under caps of 4 and 16 GiB,
+   resident, fully offloaded and at ``offload.ratio="auto"``, with the step split into compute, host step and
+   transfers (run it alone with ``--parts offload`` when the budget does not reach it).
 
 Targets (issue 34), each PASS or FAIL in the JSON: stage 3 bf16 <= 1.0x FSDP2 bf16 and stage 2 bf16 <= 0.95x, fp32
 stages <= 1.02x plain PyTorch, kernel launches per step <= FSDP2's, stage 3 bf16's peak <= FSDP2's, at most one
@@ -25,7 +28,7 @@ host synchronization per step.
 
 Run (the GPU image has no pydantic: carry its wheels, see the device notes)::
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--parts tests,syncs,compare,triton,memory,cap] \\
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--parts tests,syncs,compare,triton,memory,cap,offload] \\
         [--budget 540] [--out benchmarks/results/gpu.json]
 
 On a lent machine, write it under ``$OUT`` (``--out $OUT/gpu.json``), copy what comes back to
@@ -47,7 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "gpu.json"
-PARTS = {"tests": 170, "syncs": 90, "compare": 170, "triton": 40, "memory": 90, "cap": 150}  # seconds at most
+PARTS = {"tests": 170, "syncs": 90, "compare": 170, "triton": 40, "memory": 90, "cap": 150,
+         "offload": 200}  # seconds at most
 GPT_186M = {"vocab": 32768, "seq_len": 1024, "d_model": 1024, "layers": 12, "heads": 16}
 BATCH = 8
 CONTENDERS = ("plain", "ddp", "fsdp2", "zero-0", "zero-1", "zero-2", "zero-3", "fsdp2-bf16", "zero-2-bf16",
@@ -249,6 +253,13 @@ def part_memory(out: Path) -> dict:
     return results
 
 
+def part_offload(out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import offload_speed
+
+    return offload_speed.main(["--models", "1.28B,2.6B", "--caps", "4,16", "--steps", "2"])
+
+
 def part_cap(out: Path, cap_gib: float = 4.0) -> dict:
     import statistics
 
@@ -328,7 +339,7 @@ def part_cap(out: Path, cap_gib: float = 4.0) -> dict:
 
 
 def targets(parts: dict) -> list[dict]:
-    """Issue 34's targets from what was measured (those whose figures are missing are left out)."""
+    """Issues 34's and 35's targets from what was measured (those whose figures are missing are left out)."""
     out = []
     rows = {r["name"]: r for r in (parts.get("compare", {}).get("result") or {}).get("rows", [])}
 
@@ -354,6 +365,14 @@ def targets(parts: dict) -> list[dict]:
         if name in steps:
             syncs = steps[name]["syncs_per_step"]
             out.append({"check": f"{name} host syncs per step", "ratio": syncs, "limit": 1, "passed": syncs <= 1})
+    for row in (parts.get("offload", {}).get("result") or {}).get("rows", []):  # issue 35's
+        where = f"{row['model']} under {row['cap_bytes'] / 2**30:.3g} GiB"
+        found = row.get("targets") or {}
+        if "auto_x_limit" in found:
+            ratio(f"offload auto step vs overlap limit, {where}", found["auto_x_limit"], 1.0, 1.3)
+        if "auto_3x_faster_than_full" in found:
+            out.append({"check": f"full offload vs auto, {where}", "ratio": found["full_x_auto"], "limit": 3,
+                        "passed": found["auto_3x_faster_than_full"]})
     return out
 
 

@@ -27,7 +27,7 @@ def gpu_section(data: dict | None) -> list[str]:
     if tests:
         out += [f"GPU tests: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped.", ""]
         out += [f"- {failure}" for failure in tests["failures"]] + ([""] if tests["failures"] else [])
-    out += _step_table(parts)
+    out += _step_table(parts) + _offload_table(parts)
     if data["targets"]:
         out += ["| target | ratio | limit | result |", "|---|--:|--:|---|"]
         out += [f"| {t['check']} | {t['ratio']:.3f} | ≤ {t['limit']} | {'PASS' if t['passed'] else 'FAIL'} |"
@@ -56,4 +56,24 @@ def _step_table(parts: dict) -> list[str]:
         ratio = f"{r['median_ms'] / plain['median_ms']:.2f}" if plain else "n/a"
         out.append(f"| `{r['name']}` | {r['median_ms']:.1f} | {ratio} | {r['peak'] / GIB:.2f} "
                    f"| {s.get('syncs_per_step', '')} | {s.get('launches_per_step', '')} |")
+    return out + [""]
+
+
+def _offload_table(parts: dict) -> list[str]:
+    """offload_speed.py's rows: each configuration's step and its split, per model and cap."""
+    result = parts.get("offload", {}).get("result")
+    if not result:
+        return []
+    out = ["Offload under caps (`benchmarks/offload_speed.py`: stage 3, bf16, activation checkpointing, one rank):", "",
+           "| model | cap GiB | configuration | ratio | step s | forward+backward s | host step s | transfers s |",
+           "|---|--:|---|--:|--:|--:|--:|--:|"]
+    for row in result["rows"]:
+        for label in ("resident", "full", "auto"):
+            r = row[label]
+            head = f"| {row['model']} | {row['cap_bytes'] / GIB:.3g} | {label} |"
+            if "error" in r:
+                out.append(f"{head} {r['error'][:60]} | | | | |")
+            else:
+                out.append(f"{head} {r['ratio']:.3g} | {r['step_s']:.3f} | {r['forward_backward_s']:.3f} "
+                           f"| {r['host_step_s']:.3f} | {r['transfers_s']:.3f} |")
     return out + [""]

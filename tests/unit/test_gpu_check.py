@@ -45,13 +45,20 @@ def test_targets_are_the_issues_ratios_and_only_of_what_was_measured():
         ("zero-3-bf16", 49.0, 7), ("zero-2-bf16", 48.0, 7))]
     steps = {"zero-3-bf16": {"syncs_per_step": 1, "launches_per_step": 700},
              "fsdp2-bf16": {"syncs_per_step": 0, "launches_per_step": 765}, "zero-3": {"syncs_per_step": 3}}
-    parts = {"compare": {"result": {"rows": rows}}, "syncs": {"result": {"contenders": steps}}}
+    offload = [{"model": "2.6B", "cap_bytes": 4 * 2**30, "targets": {
+        "auto_x_limit": 1.2, "full_x_auto": 3.5, "auto_3x_faster_than_full": True}},
+        {"model": "1.28B", "cap_bytes": 16 * 2**30, "targets": {"auto_x_limit": 1.5, "full_x_auto": 2.0}}]
+    parts = {"compare": {"result": {"rows": rows}}, "syncs": {"result": {"contenders": steps}},
+             "offload": {"result": {"rows": offload}}}
     got = {t["check"]: (round(t["ratio"], 3), t["passed"]) for t in gpu_check.targets(parts)}
     assert got == {
         "zero-3-bf16 step vs fsdp2-bf16": (0.98, True), "zero-2-bf16 step vs fsdp2-bf16": (0.96, False),
         "zero-3-bf16 peak vs fsdp2-bf16": (1.167, False), "zero-0 step vs plain": (1.01, True),
         "zero-3 step vs plain": (1.05, False), "zero-3-bf16 launches vs fsdp2-bf16": (0.915, True),
         "zero-3-bf16 host syncs per step": (1, True), "zero-3 host syncs per step": (3, False),
+        "offload auto step vs overlap limit, 2.6B under 4 GiB": (1.2, True),
+        "full offload vs auto, 2.6B under 4 GiB": (3.5, True),
+        "offload auto step vs overlap limit, 1.28B under 16 GiB": (1.5, False),
     }
     assert gpu_check.targets({}) == []
 
@@ -72,7 +79,13 @@ def test_the_gpu_section_renders_what_the_check_wrote():
                       "compare": {"status": "ok", "seconds": 120.0, "result": compare},
                       "syncs": {"status": "ok", "seconds": 40.0, "result": {"contenders": {
                           "zero-3-bf16": {"syncs_per_step": 1, "launches_per_step": 700}}}},
-                      "cap": {"status": "timed out", "seconds": 150}},
+                      "cap": {"status": "timed out", "seconds": 150},
+                      "offload": {"status": "ok", "seconds": 180, "result": {"rows": [{
+                          "model": "2.6B", "cap_bytes": 4 * 2**30, "resident": {"error": "out of memory under the cap"},
+                          "full": {"ratio": 1.0, "step_s": 3.6, "forward_backward_s": 1.0, "host_step_s": 2.0,
+                                   "transfers_s": 0.5},
+                          "auto": {"ratio": 0.5, "step_s": 1.1, "forward_backward_s": 0.8, "host_step_s": 1.0,
+                                   "transfers_s": 0.3}}]}}},
             "targets": [{"check": "zero-3-bf16 host syncs per step", "ratio": 1, "limit": 1, "passed": True}]}
     text = "\n".join(render_gpu.gpu_section(data))
     assert "NVIDIA H200, 2026-11-27, torch 2.11.0, Triton 3.6.0, at commit `abc1234`" in text
@@ -80,3 +93,5 @@ def test_the_gpu_section_renders_what_the_check_wrote():
     assert "| `zero-3-bf16` | 50.0 | 0.25 | 1.00 | 1 | 700 |" in text
     assert "| `plain` | 200.0 | 1.00 | 2.00 |  |  |" in text
     assert "| zero-3-bf16 host syncs per step | 1.000 | ≤ 1 | PASS |" in text
+    assert "| 2.6B | 4 | resident | out of memory under the cap | | | | |" in text
+    assert "| 2.6B | 4 | auto | 0.5 | 1.100 | 0.800 | 1.000 | 0.300 |" in text
