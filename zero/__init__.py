@@ -1,6 +1,7 @@
 """zero: ZeRO data parallelism for PyTorch (sharded optimizer state, gradients and parameters)."""
 
 from zero.activations import ActivationCheckpointing, blocks_within_budget, checkpoint_activations
+from zero.auto_ratio import StepExample
 from zero.checkpoint.consolidate import consolidate, load_consolidated
 from zero.checkpoint.portable import load_checkpoint, save_checkpoint
 from zero.comm.policy import Communication
@@ -15,7 +16,7 @@ from zero.version import __version__
 
 __all__ = [
     "ActivationCheckpointing", "Communication", "LossScale", "MixedPrecision", "ModelStateBytes", "Offload",
-    "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
+    "StepExample", "ZeroConfig", "ZeroOptimizer", "estimate", "init_sharded", "profile", "zero_model_state_bytes",
     "blocks_within_budget", "checkpoint_activations", "consolidate", "load_checkpoint", "load_consolidated",
     "save_checkpoint", "__version__",
 ]
