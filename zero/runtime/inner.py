@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Any
 
 import torch
 
