@@ -5,8 +5,8 @@ and autograd's gradients (every ``p.grad`` starting as ``None``). This module ad
 ``ZeroOptimizer`` holds for rank 0 of ``world_size`` ranks, and when, using the buckets and units
 the optimizer itself would build (``zero.runtime.partition.build_partition`` on the fake model):
 
-* parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point,
-  replayed as ``zero.runtime.gatherer`` does it (:mod:`zero.estimator.gathering`);
+* parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point, as the
+  runtime's own gathering schedule decides (``zero.runtime.gather_order``, priced by :mod:`zero.estimator.gathering`);
 * gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
   is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
   at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
@@ -266,7 +266,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
         if point.name == "<end of backward>" and reduction is not None:
             reduction.end(lambda: consider(point, gradients=grads_now(point), event="gradient reduction"))
         if point.name == "<end of backward>" and gathering is not None:
-            gathering.end_backward()
+            gathering.end_backward(lambda: consider(point, gradients=grads_now(point), event="parameter gather"))
         consider(point, gradients=grads_now(point))
         previous = point
 

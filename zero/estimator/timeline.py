@@ -52,6 +52,7 @@ class Point:
     activations: int
     temporaries: int
     gradients: int
+    outputs: str = ""  # "leave" in forward: how stage 3 ends the forward (zero.runtime.gather_order.Outputs)
 
     @property
     def total(self) -> int:
@@ -139,11 +140,12 @@ class Recorder(TorchDispatchMode):
 
         self._refs.append(weakref.ref(storage, freed))
 
-    def point(self, kind: str, name: str) -> None:
+    def point(self, kind: str, name: str, outputs: str = "") -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         module = self.stack[-1] if self.stack else (self.reached if phase == "backward" else "")
         t = self.totals
-        self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"], t["gradients"]))
+        self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"], t["gradients"],
+                                 outputs))
 
     # ----- what autograd saves ------------------------------------------------------------------------
 
@@ -190,11 +192,14 @@ class Recorder(TorchDispatchMode):
 
     def _leave(self, name: str) -> Callable:
         def leave(module: nn.Module, args: Any, output: Any) -> None:
-            self.point("leave", name)
+            tensors = tensors_in(output)
+            outputs = [t for t in tensors or [] if t.requires_grad]
+            grad = torch.is_grad_enabled()  # (as stage 3's forward hook tells its schedule)
+            self.point("leave", name, "no_grad" if not grad else "unseen" if tensors is None else
+                       "hooked" if outputs else "none")
             if self.stack and self.stack[-1] == name:
                 self.stack.pop()
-            outputs = [t for t in tensors_in(output) or [] if t.requires_grad]
-            if outputs and torch.is_grad_enabled():
+            if outputs and grad:
                 torch.autograd.graph.register_multi_grad_hook(outputs, self._reach(name), mode="any")
 
         return leave

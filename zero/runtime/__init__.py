@@ -7,7 +7,8 @@
   that owns them;
 * ``stages``: what each ZeRO stage keeps and which transitions it takes (policies over the buckets);
 * ``reducer``, ``gatherer`` (and ``backward_pass``, ``post_backward``, ``saved_params``): the hooks that
-  reduce gradients and gather stage-3 parameters, overlapped with forward and backward;
+  reduce gradients and gather stage-3 parameters, overlapped with forward and backward, in the orders
+  ``reduction_order`` and ``gather_order`` decide (the estimator follows the same objects);
 * ``stepper`` (and ``flat_step``, the Triton step of a whole bucket), ``delayed``, ``loss_scaler``, ``inner``: the
   optimizer step over this rank's shard;
 * ``build``: assembles all of it for the facade in :mod:`zero.optimizer`.

@@ -12,6 +12,11 @@ Life of one unit in a training step (``reshard_after_forward=True``)::
                        reducer as at stage 2)
     end of backward    reshard whatever is still gathered (units with unused parameters)
 
+The decisions (which unit to gather, prefetch or release, and when) are the schedule's,
+``zero.runtime.gather_order.GatherOrder``, which the estimator drives too when it prices a traced
+step: this module hooks the model, tells the schedule what happened, and carries its decisions
+out with all-gathers (:class:`AllGathers`).
+
 The unit's backward is over only when autograd has computed the gradient of its forward inputs
 (see ``zero.runtime.post_backward``): frozen weights are read until then, e.g. a frozen base under
 LoRA adapters, whose last adapter gradient arrives before the frozen weight carries the gradient
@@ -48,7 +53,6 @@ parameters the first one already released.
 
 from __future__ import annotations
 
-import enum
 import warnings
 from typing import Any, Iterable
 
@@ -60,6 +64,7 @@ from zero.comm.communicator import Communicator, Handle
 from zero.outputs import tensors_in
 from zero.runtime.backward_pass import BackwardPass
 from zero.runtime.bucket import Bucket
+from zero.runtime.gather_order import GatherOrder, Progress, UnitState
 from zero.runtime.post_backward import hook_input_gradients
 from zero.runtime.saved_params import SavedParamCheck
 from zero.runtime.secondary import PrimaryShards
@@ -70,14 +75,8 @@ from zero.weak import weak_hook
 _FINGERPRINT_MOD = 2**31 - 1
 
 
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"  # all-gather in flight
-    GATHERED = "gathered"
-
-
 class Unit:
-    """Runtime state of one unit: its buckets and where it is in the step."""
+    """One unit at run time: its buckets, its gathers in flight and, from the schedule, where it is in the step."""
 
     def __init__(self, index: int, spec: UnitSpec, buckets: list[Bucket]):
         self.index = index
@@ -85,25 +84,71 @@ class Unit:
         self.module = spec.module
         self.buckets = buckets
         self.num_params = sum(len(b.slots) for b in buckets if b.trainable)  # those that get gradients
-        self.state = UnitState.SHARDED
         self.handles: list[Handle] = []
-        self.in_backward = False  # between its pre-backward and the end of its backward
-        self.num_grads = 0  # parameters whose gradient arrived in this backward pass
-        self.pending_inputs = 0  # forward calls whose inputs' gradients backward has not computed yet
-        self.input_hooks: list[RemovableHandle] = []  # theirs, removed when the backward pass is over
+        self.input_hooks: list[RemovableHandle] = []  # its inputs' gradient hooks, removed when backward is over
         # The root unit's backward starts as soon as its forward ends, so it is never released in
         # between (FSDP2 does the same): regathering it at once would only cost traffic.
         self.is_root = spec.name == ""
+        self.progress = Progress(self.num_params, self.is_root)  # (the schedule's own, once it is built)
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
+
+    @property
+    def state(self) -> UnitState:
+        return self.progress.state
 
     def is_gathered(self) -> bool:
         return self.state is UnitState.GATHERED
 
 
+class AllGathers:
+    """Carries out the schedule's decisions (``zero.runtime.gather_order.Gathers``) with all-gathers."""
+
+    def __init__(self, stage: Stage3, comm: Communicator, source: PrimaryShards):
+        self.stage = stage
+        self.comm = comm
+        self.source = source  # where each gather reads (hpZ: backward's from secondary copies)
+        self.fingerprint = 0  # the gathers issued since the reducer last read it
+        self.divergence: str | None = None  # how this rank's unit order first left the first pass's
+
+    def start(self, unit: Unit, *, from_copies: bool, exact: bool) -> None:
+        unit.handles = [self.source.unshard(self.stage, bucket, self.comm, exact=exact, from_copies=from_copies)
+                        for bucket in unit.buckets]
+        self.fingerprint = (self.fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
+
+    def wait(self, unit: Unit) -> None:
+        for handle in unit.handles:
+            try:
+                handle.wait()
+            except RuntimeError as err:
+                if self.divergence is None:
+                    raise
+                raise RuntimeError(f"{err}\nzero: {self.divergence}") from err
+        unit.handles = []
+        for bucket in unit.buckets:
+            self.source.gathered(bucket)
+            self.stage.attach(bucket)
+
+    def release(self, unit: Unit) -> None:
+        for bucket in unit.buckets:
+            self.stage.reshard(bucket)
+
+    def diverged(self, position: int, ran: Unit | None, first: Unit | None) -> None:
+        """A rank that runs other units than its peers pairs its all-gathers with theirs: say so now, on the rank
+        that diverged, and again in the error of the collective that then fails or times out."""
+        self.divergence = (
+            f"rank {self.comm.rank} ran {ran or 'no unit'} as unit #{position} of a forward pass, where its first "
+            f"forward pass ran {first or 'no unit'}. If other ranks kept the first order, this rank's all-gathers "
+            "no longer match theirs (collectives pair up by order): the next one fails or times out, or the "
+            "end-of-backward check reports it. Every rank must run the same units in the same order (no branch "
+            "or loop count that depends on a rank's data)."
+        )
+        warnings.warn(f"zero: {self.divergence}", stacklevel=6)
+
+
 class ParamGatherer:
-    """Registers stage 3's module and gradient hooks and gathers units just in time."""
+    """Registers stage 3's module and gradient hooks; its schedule (``self.order``) gathers units just in time."""
 
     sharded = True
 
@@ -119,22 +164,13 @@ class ParamGatherer:
         source: PrimaryShards | None = None,
     ):
         self.units = [Unit(i, spec, [b for b in buckets if b.unit is spec]) for i, spec in enumerate(specs)]
-        self.stage = stage
-        self.comm = comm
-        self.source = source or PrimaryShards()  # where each gather reads (hpZ: backward's from secondary copies)
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self._depth = 0  # units whose forward is running (nested)
-        self._finished: Unit | None = None  # ran its forward; released when the next unit starts
-        self._forward_order: list[Unit] = []
-        self._previous_forward: list[Unit] = []
-        self._first_forward: list[Unit] | None = None  # the order every later forward is checked against
-        self._divergence: str | None = None  # how this rank's unit order first left the first pass's
-        self._has_root = any(unit.is_root for unit in self.units)
-        self._backward_order: list[Unit] = []
-        self._previous_backward: list[Unit] = []
+        self.gathers = AllGathers(stage, comm, source or PrimaryShards())
+        root = next((unit for unit in self.units if unit.is_root), None)
+        self.order = GatherOrder(self.units, [unit.num_params for unit in self.units], root, self.gathers,
+                                 prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+        for unit in self.units:
+            unit.progress = self.order.progress[unit]
         self._pass = BackwardPass()
-        self._fingerprint = 0
         self._saved_check = SavedParamCheck(weak_hook(self._units_of_storage))
         self.hooks = []
         for unit in self.units:
@@ -151,67 +187,38 @@ class ParamGatherer:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
                     self.hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
-
     # ----- unshard / reshard ------------------------------------------------------------------------
 
     def forget(self, unit: Unit) -> None:
         """The shards of ``unit`` were written (``gathered_parameters()``): no copy of them is current."""
-        self.source.forget(unit.buckets)
+        self.order.forget(unit)
 
     def unshard(self, unit: Unit, *, exact: bool = False) -> None:
         """Start gathering ``unit`` (no-op unless sharded); ``exact``: never through a lossy codec."""
-        if unit.state is not UnitState.SHARDED:
-            return
-        backward = _in_backward()
-        unit.handles = [self.source.unshard(self.stage, bucket, self.comm, exact=exact, backward=backward)
-                        for bucket in unit.buckets]
-        unit.state = UnitState.GATHERING
-        self._fingerprint = (self._fingerprint * 1_000_003 + unit.index + 1) % _FINGERPRINT_MOD
+        self.order.gather(unit, backward=_in_backward(), exact=exact)
 
     def wait(self, unit: Unit) -> None:
         """Make ``unit`` usable: gather it if needed and wait for the gather."""
-        self.unshard(unit)
-        if unit.state is UnitState.GATHERING:
-            for handle in unit.handles:
-                try:
-                    handle.wait()
-                except RuntimeError as err:
-                    if self._divergence is None:
-                        raise
-                    raise RuntimeError(f"{err}\nzero: {self._divergence}") from err
-            unit.handles = []
-            for bucket in unit.buckets:
-                self.source.gathered(bucket)
-                self.stage.attach(bucket)
-            unit.state = UnitState.GATHERED
+        self.order.wait(unit, backward=_in_backward())
 
     def reshard(self, unit: Unit) -> None:
-        if unit.state is UnitState.SHARDED:
-            return
-        self.wait(unit)  # never release a buffer a collective is still writing
-        for bucket in unit.buckets:
-            self.stage.reshard(bucket)
-        unit.state = UnitState.SHARDED
+        self.order.release(unit)
 
     def reshard_all(self, keep: list[Unit] = ()) -> None:
         """Release every unit (but ``keep``) and forget any pass in progress (also one interrupted by an error)."""
-        self._depth = 0
-        self._finished = None
+        self.order.release_all(keep)
+        self._forget_pass()
+
+    def _forget_pass(self) -> None:
         self._pass.forget()
-        self.source.forget([bucket for unit in self.units for bucket in unit.buckets])
         for unit in self.units:
-            if unit not in keep:
-                self.reshard(unit)
-            unit.in_backward = False
-            unit.num_grads = 0
-            unit.pending_inputs = 0
             for hook in unit.input_hooks:  # (a leaf input would keep them)
                 hook.remove()
             unit.input_hooks = []
 
     @property
     def in_forward(self) -> bool:
-        return self._depth > 0
+        return self.order.depth > 0
 
     def gathering_buckets(self) -> set[Bucket]:
         """Buckets whose all-gather is in flight (prefetched units not yet needed, among them)."""
@@ -225,7 +232,7 @@ class ParamGatherer:
     def fingerprint_flags(self) -> list[int]:
         """A hash of the gathers issued since the last call (same on every rank if they ran the same units), as
         ``[v, -v]`` for the reduction's MAX all-reduce: both come back as ``(v, -v)`` only if every rank had ``v``."""
-        value, self._fingerprint = self._fingerprint, 0
+        value, self.gathers.fingerprint = self.gathers.fingerprint, 0
         return [value, -value]
 
     @staticmethod
@@ -242,51 +249,30 @@ class ParamGatherer:
         if functorch:
             raise RuntimeError(_NO_FUNCTORCH)
         if _in_backward():  # recomputation (activation checkpointing): backward releases it
-            self.wait(unit)
+            self.order.recompute(unit)
             return
-        if unit.is_root:
-            self._depth = 0  # (a forward interrupted by an error never came back out)
-        if self._depth == 0:  # a new forward pass starts
-            if self._forward_order:
-                self._previous_forward = self._forward_order
-                self._check_order(len(self._forward_order), ended=True)
-                if self._first_forward is None:
-                    self._first_forward = self._forward_order
-            self._forward_order = []
-        self._release_finished(keep=unit)
-        self._depth += 1
-        self._forward_order.append(unit)
-        self._check_order(len(self._forward_order) - 1, ended=False)
-        self.wait(unit)
-        self._prefetch(self._forward_order, self._previous_forward)
+        self.order.pre_forward(unit)
         hook = hook_input_gradients(args, kwargs, weak_hook(self._inputs_done, unit.index))
         if hook is not None:
-            unit.pending_inputs += 1
+            self.order.inputs_hooked(unit)
             unit.input_hooks.append(hook)
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         unit = self.units[index]
         if _in_backward():
             return
-        self._depth = max(0, self._depth - 1)
         if not torch.is_grad_enabled():  # no backward will come
-            self.reshard(unit)
-            if unit.is_root:  # also units prefetched but not used
-                for other in self.units:
-                    if not other.in_backward:
-                        self.reshard(other)
+            self.order.post_forward(unit, "no_grad")
             return
         tensors = tensors_in(output)
         if tensors is None:  # cannot see the outputs, so cannot hook them: keep it for backward
+            self.order.post_forward(unit, "unseen")
             return
         needs_grad = [t for t in tensors if t.requires_grad]
-        if not needs_grad:
-            self.reshard(unit)
-            return
-        torch.autograd.graph.register_multi_grad_hook(needs_grad, weak_hook(self._pre_backward, unit.index), mode="any")
-        if self.reshard_after_forward and not unit.is_root:
-            self._release_finished(keep=unit)
-            self._finished = unit
+        if needs_grad:
+            hook = weak_hook(self._pre_backward, unit.index)
+            torch.autograd.graph.register_multi_grad_hook(needs_grad, hook, mode="any")
+        self.order.post_forward(unit, "hooked" if needs_grad else "none")
 
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
         """After every unit forward, also one that raised: remove the saved-tensor check it installed."""
@@ -296,61 +282,20 @@ class ParamGatherer:
         """The unit of each parameter buffer's storage (the saved-tensor check's lookup)."""
         return {b.param_buffer.storage_tensor.untyped_storage()._cdata: u for u in self.units for b in u.buckets}
 
-    def _release_finished(self, keep: Unit) -> None:
-        finished, self._finished = self._finished, None
-        if finished is not None and finished is not keep and not finished.in_backward:
-            self.reshard(finished)
-
-    def _prefetch(self, order: list[Unit], previous: list[Unit]) -> None:
-        """Start gathering the units that followed this one last time (if the order still matches)."""
-        position = len(order)
-        if self.prefetch == 0 or len(previous) < position or previous[position - 1] is not order[-1]:
-            return
-        for unit in previous[position : position + self.prefetch]:
-            self.unshard(unit)
-
-    def _check_order(self, position: int, *, ended: bool) -> None:
-        """Compare this forward's units with the first forward's, locally (no communication). A rank
-        that runs other units than its peers pairs its all-gathers with theirs: say so now, on the rank
-        that diverged, and again in the error of the collective that then fails or times out."""
-        first = self._first_forward
-        if first is None or self._divergence is not None or not self._has_root:
-            return  # (without a root unit, forward passes have no visible start: nothing to compare)
-        order = self._forward_order
-        got = order[position] if position < len(order) and not ended else None
-        expected = first[position] if position < len(first) else None
-        if got is expected:
-            return
-        self._divergence = (
-            f"rank {self.comm.rank} ran {got or 'no unit'} as unit #{position} of a forward pass, where its first "
-            f"forward pass ran {expected or 'no unit'}. If other ranks kept the first order, this rank's all-gathers "
-            "no longer match theirs (collectives pair up by order): the next one fails or times out, or the "
-            "end-of-backward check reports it. Every rank must run the same units in the same order (no branch "
-            "or loop count that depends on a rank's data)."
-        )
-        warnings.warn(f"zero: {self._divergence}", stacklevel=4)
-
     # ----- backward ---------------------------------------------------------------------------------
 
     def _pre_backward(self, index: int, grad: torch.Tensor | None) -> None:
         unit = self.units[index]
         if not self._pass.running:  # the first hook of a new backward pass (a nested one runs inside it)
             if self._pass.interrupted:  # the previous one died with an error
-                self._previous_backward, self._backward_order = self._backward_order, []
-                self.reshard_all()
+                self.order.backward_interrupted()
+                self._forget_pass()
             self._pass.begin(weak_hook(self._end_backward))
-        if unit.in_backward:
-            return
-        unit.in_backward = True
-        self._backward_order.append(unit)
-        self.wait(unit)
-        self._prefetch(self._backward_order, self._previous_backward)
+        self.order.pre_backward(unit)
 
     def _inputs_done(self, index: int) -> None:
         """Autograd computed the gradients of one forward call's inputs: that call's backward is over."""
-        unit = self.units[index]
-        unit.pending_inputs = max(0, unit.pending_inputs - 1)  # (a retained graph's second pass comes again)
-        self._release_if_done(unit)
+        self.order.inputs_done(self.units[index])
 
     def _on_grad(self, index: int, name: str, param: torch.Tensor) -> None:
         unit = self.units[index]
@@ -361,24 +306,12 @@ class ParamGatherer:
                 "and used later?). Return such tensors from the unit's forward, or choose units "
                 "(ZeroConfig.unit_classes) so that the code using them is inside the unit."
             )
-        unit.num_grads += 1
-        self._release_if_done(unit)
-
-    def _release_if_done(self, unit: Unit) -> None:
-        """Release ``unit`` once its backward is over: every forward call's input gradients computed and
-        every trainable parameter's gradient arrived (units with unused parameters wait for the end)."""
-        if unit.in_backward and unit.pending_inputs == 0 and unit.num_grads >= unit.num_params:
-            if not unit.is_root:  # (the root stays gathered until step(): see _end_backward)
-                self.reshard(unit)
-            unit.in_backward = False
+        self.order.grad_arrived(unit)
 
     def _end_backward(self) -> None:
-        """Release every unit but the root, which stays gathered until ``step()``: a second backward
-        pass through a retained graph, or a loss term built from root parameters after forward (an L2
-        penalty on the embeddings), reads them again, and the next forward (accumulation) needs it first."""
-        root = [unit for unit in self.units if unit.is_root and unit.state is not UnitState.SHARDED]
-        self.reshard_all(keep=root)
-        self._previous_backward, self._backward_order = self._backward_order, []
+        """Release every unit but the root, which stays gathered until ``step()`` (``GatherOrder.end_backward``)."""
+        self.order.end_backward()
+        self._forget_pass()
 
 
 _NO_FUNCTORCH = (
