@@ -187,6 +187,11 @@ class ParamGatherer:
                     hook = weak_hook(self._on_grad, unit.index, slot.name)
                     self.hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
 
+    @property
+    def source(self) -> PrimaryShards:
+        """Where each gather reads (hpZ: backward's from secondary copies)."""
+        return self.gathers.source
+
     # ----- unshard / reshard ------------------------------------------------------------------------
 
     def forget(self, unit: Unit) -> None:
@@ -206,8 +211,8 @@ class ParamGatherer:
 
     def reshard_all(self, keep: list[Unit] = ()) -> None:
         """Release every unit (but ``keep``) and forget any pass in progress (also one interrupted by an error)."""
-        self.order.release_all(keep)
         self._forget_pass()
+        self.order.release_all(keep)
 
     def _forget_pass(self) -> None:
         self._pass.forget()
@@ -288,8 +293,8 @@ class ParamGatherer:
         unit = self.units[index]
         if not self._pass.running:  # the first hook of a new backward pass (a nested one runs inside it)
             if self._pass.interrupted:  # the previous one died with an error
-                self.order.backward_interrupted()
                 self._forget_pass()
+                self.order.backward_interrupted()
             self._pass.begin(weak_hook(self._end_backward))
         self.order.pre_backward(unit)
 
@@ -310,8 +315,8 @@ class ParamGatherer:
 
     def _end_backward(self) -> None:
         """Release every unit but the root, which stays gathered until ``step()`` (``GatherOrder.end_backward``)."""
-        self.order.end_backward()
         self._forget_pass()
+        self.order.end_backward()
 
 
 _NO_FUNCTORCH = (
