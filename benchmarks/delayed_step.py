@@ -1,7 +1,7 @@
 """How far the delayed step of CPU offload (``offload.delayed_step=True``) drifts from synchronous training.
 
 Two copies of the benchmark GPT (same seed, same batches) train with stage 2 and optimizer offload in
-one process, one synchronous, one with the one-step delayed update (``zero.runtime.delayed``), interleaved step
+one process, one synchronous, one with the one-step delayed update (``zero.runtime.step.delayed``), interleaved step
 by step. Printed: each run's loss at a few steps, the largest relative loss gap, the final losses and the
 relative distance between the final parameters; and the median step time of each (on a CPU-only machine
 the background step competes with forward and backward for the same cores, so expect little gain

@@ -74,7 +74,7 @@ import torch
 import zero
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
-from zero.runtime.placement import Where
+from zero.runtime.buffers.placement import Where
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}}

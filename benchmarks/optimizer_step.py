@@ -10,7 +10,7 @@ element: two reads, one write). Contenders, each on its own copy of the same dat
 * ``adamw-single`` -- ``foreach=False``: one tensor at a time
 * ``adamw-fused``  -- ``fused=True`` (CPU fused kernel, torch >= 2.4)
 * ``zero-host-step`` -- what an offloaded bucket of ``ZeroOptimizer`` runs under bf16 mixed precision:
-  the fused step, then the master cast into the bf16 parameter copy that goes back up (``zero.runtime.stepper``);
+  the fused step, then the master cast into the bf16 parameter copy that goes back up (``zero.runtime.step.stepper``);
   6 more bytes per element (34 in all), shown against both limits
 * ``zero-host-step-1-thread`` -- the same on one thread: what the host step ran at under torchrun (which sets
   ``OMP_NUM_THREADS=1``) before ``offload.host_threads`` (``"auto"``: the cores of the process's CPU affinity,

@@ -27,7 +27,7 @@ from zero.config import ZeroConfig
 from zero.estimator import Workload, estimate
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.workload import POLICIES
-from zero.runtime.inner import same_kind
+from zero.runtime.step.inner import same_kind
 from zero.sizes import format_bytes
 
 HEADROOM = 0.9

@@ -23,7 +23,8 @@ from zero.integrations.deepspeed_config import DeepSpeedConfig, read_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision
 
-StepKernel = Literal["auto", "torch", "triton"]  # how mixed-precision Adam steps on the device (zero.runtime.stepper)
+# how mixed-precision Adam steps on the device (zero.runtime.step.stepper)
+StepKernel = Literal["auto", "torch", "triton"]
 
 SUPPORTED_STAGES = (0, 1, 2, 3)
 MAX_MB = 2.0**20  # 1 TiB: above any real bucket or unit
@@ -119,7 +120,7 @@ class ZeroConfig(BaseModel):
         "auto",
         description="The optimizer step's kernel for mixed-precision Adam/AdamW on the device: 'triton' (one pass "
         "that also writes the bf16 parameters), 'torch' (the wrapped optimizer), or 'auto': Triton on CUDA where "
-        "it is installed and applies, else torch. See zero.runtime.stepper.",
+        "it is installed and applies, else torch. See zero.runtime.step.stepper.",
     )
 
     unit_classes: Optional[tuple[StrictStr, ...]] = Field(

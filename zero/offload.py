@@ -1,6 +1,6 @@
 """Offload: the policy (``ZeroConfig.offload``) and the memory and disk checks made before anything is allocated.
-Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.placement``'s (and, on
-disk, ``zero.runtime.disk``'s).
+Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.buffers.placement``'s (and, on
+disk, ``zero.runtime.offload.disk``'s).
 
 With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
 memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
@@ -19,11 +19,11 @@ offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
 With ``ratio`` below 1 (ZeRO-Offload++'s Twin-Flow, DeepSpeed's ``offload_optimizer.ratio``) only that fraction of
 the buckets is offloaded, whole: the first ones backward reduces (their gradients go down while backward goes on),
 and the rest stay on the device, where they step with the device's kernel while the host steps its part
-(``zero.runtime.placement.Placements.for_buckets``). ``ratio=0`` is no offload, bit for bit.
+(``zero.runtime.buffers.placement.Placements.for_buckets``). ``ratio=0`` is no offload, bit for bit.
 
 With ``"disk"`` (ZeRO-Infinity) the same buffers, and the wrapped optimizer's per-element state, live in one
 preallocated, memory-mapped file per rank under ``path``; at most ``buffer_count`` buckets of them are mapped in
-host memory at a time, read ahead of their step and written back after it (``zero.runtime.disk``).
+host memory at a time, read ahead of their step and written back after it (``zero.runtime.offload.disk``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Offload(BaseModel):
         strict=True,
         description="Step the host masters in a background thread during the next forward and backward "
         "(ZeRO-Offload's one-step delayed update): faster, but not equal to synchronous training "
-        "(zero.runtime.delayed).",
+        "(zero.runtime.step.delayed).",
     )
 
     @model_validator(mode="after")
@@ -199,7 +199,7 @@ def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> N
     """Raise before allocating if this rank's host buffers would not fit in the memory available now
     (``shard_numel``: elements of this rank's chunks; ``param_bytes``: bytes per element of a parameter
     shard kept on the host)."""
-    if not offload.optimizer_on_host or offload.on_disk:  # (disk: zero.runtime.disk checks free space)
+    if not offload.optimizer_on_host or offload.on_disk:  # (disk: zero.runtime.offload.disk checks free space)
         return
     per_element, extras = HOST_BYTES_PER_ELEMENT, ""
     if offload.params_on_host:

@@ -16,7 +16,7 @@ from zero.checkpoint import shard_state
 from zero.config import ZeroConfig
 from zero.memory import MemoryItem, ModelStateBytes
 from zero.runtime import gathered, owned_memory
-from zero.runtime.bucket import Bucket
+from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.build import build_runtime, watch_for_drop
 from zero.runtime.materialize import InitFn
 
@@ -44,7 +44,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     modes) is the same as :meth:`zero_grad`, no clearing accumulates into the next step, and
     several backward passes before :meth:`step` add up. At stage 0 ``p.grad`` is the whole
     averaged gradient; at stages 1-3 no rank holds it, so ``p.grad`` is a guard
-    (:class:`zero.runtime.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
+    (:class:`zero.runtime.buffers.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
     :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``. Changing the model's
     dtype or device after wrapping is refused.
 

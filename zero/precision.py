@@ -6,7 +6,7 @@ and the wrapped ``torch.optim`` optimizer steps an fp32 *master* copy of this ra
 only, which is then cast back into the low-precision parameters. Buffers (BatchNorm
 statistics) keep their dtype.
 
-Note on the buffers of a bucket (``zero.runtime.bucket``), with ``P`` the padded bucket and ``C = P/N``
+Note on the buffers of a bucket (``zero.runtime.buffers.bucket``), with ``P`` the padded bucket and ``C = P/N``
 this rank's chunk; "alias" means the role is a view of another role's memory when dtype and
 device agree, so a plain fp32 run holds exactly what it held before mixed precision existed:
 

@@ -15,7 +15,7 @@ from tests.gpu.common import CFG, train
 from zero import ZeroOptimizer
 from zero.kernels.reference import adamw_reference
 from zero.models import GPT
-from zero.runtime.stepper import triton_available
+from zero.runtime.step.stepper import triton_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero.runtime.flat_buffer import FlatBuffer
-from zero.runtime.layout import plan_buckets
+from zero.runtime.buffers.flat_buffer import FlatBuffer
+from zero.runtime.buffers.layout import plan_buckets
 
 sizes = st.lists(st.integers(1, 300), min_size=1, max_size=25)
 

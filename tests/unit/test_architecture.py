@@ -226,6 +226,27 @@ def test_the_communication_package_imports_nothing_else_of_zero():
     assert not outside, f"{COMM} imports other zero modules:\n" + "\n".join(outside)
 
 
+RUNTIME_LAYERS = ("buffers", "stages", "offload", "step", "gathering", "reduction")  # each imports only earlier ones
+
+
+def test_the_runtime_packages_import_only_the_ones_before_them():
+    """``zero/runtime/``'s sub-packages, in the order of ``RUNTIME_LAYERS`` (their docstrings say what each may
+    import): none imports a later one, nor the assembly above them (``zero.runtime.build``, ``runtime``, ...) except
+    the leaf guard ``zero.runtime.wrappers``."""
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != ["zero", "runtime"] or len(parts) < 3:
+            return None
+        return RUNTIME_LAYERS.index(parts[2]) if parts[2] in RUNTIME_LAYERS else len(RUNTIME_LAYERS)
+
+    graph = import_graph()
+    assert all(f"zero.runtime.{name}" in graph for name in RUNTIME_LAYERS)
+    upward = sorted(f"{m} -> {t} ({where})" for m, edges in graph.items() if (here := layer(m)) is not None
+                    and here < len(RUNTIME_LAYERS) for t, where in edges.items()
+                    if (there := layer(t)) is not None and there > here and t != "zero.runtime.wrappers")
+    assert not upward, "runtime packages importing later ones:\n" + "\n".join(upward)
+
+
 def test_no_module_over_400_lines():
     long = {_where(p): n for p in _files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"

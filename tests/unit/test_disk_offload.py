@@ -15,8 +15,8 @@ import zero
 from tests.readouts import flat_params
 from tests.toy import Net, batch, train_net
 from zero import ZeroConfig, ZeroOptimizer
-from zero.runtime.disk import HEADER_BYTES, check_disk_space, planned_disk_bytes
-from zero.runtime.placement import Where
+from zero.runtime.buffers.placement import Where
+from zero.runtime.offload.disk import HEADER_BYTES, check_disk_space, planned_disk_bytes
 
 PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype": "fp16"}}
 CASES = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")]
@@ -154,7 +154,8 @@ def test_free_space_is_checked_before_anything_is_allocated(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"needs 1,000,000,000,000,000,000 bytes .* free"):
         check_disk_space(tmp_path / "not" / "yet", 10**18)
     stat = os.statvfs(tmp_path)
-    monkeypatch.setattr(zero.runtime.disk.os, "statvfs", lambda path: type(stat)((4096, 4096, 0, 0, 1) + stat[5:]))
+    full = type(stat)((4096, 4096, 0, 0, 1) + stat[5:])
+    monkeypatch.setattr(zero.runtime.offload.disk.os, "statvfs", lambda path: full)
     with pytest.raises(ValueError, match="offload to disk needs .* bytes"):
         build(2, disk("optimizer", tmp_path))
     assert offload_files(tmp_path) == []

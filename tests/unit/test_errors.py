@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from zero import ZeroConfig, ZeroOptimizer
-from zero.runtime.layout import plan_buckets
+from zero.runtime.buffers.layout import plan_buckets
 
 
 def small_model() -> nn.Module:

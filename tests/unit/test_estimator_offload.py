@@ -15,8 +15,8 @@ from zero import ZeroOptimizer
 from zero.cli.main import main as cli_main
 from zero.estimator import Workload, estimate, plan
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.runtime.disk import HEADER_BYTES, PAGE, round_up
-from zero.runtime.placement import Where
+from zero.runtime.buffers.placement import Where
+from zero.runtime.offload.disk import HEADER_BYTES, PAGE, round_up
 from zero.sizes import format_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:offloaded AdamW steps on the host")

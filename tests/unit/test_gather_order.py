@@ -1,5 +1,5 @@
-"""Stage 3's gathering schedule (``zero.runtime.gather_order``): its decisions on small sequences of events, and the
-one object the runtime's gatherer and the estimator both drive (a change to it changes both)."""
+"""Stage 3's gathering schedule (``zero.runtime.gathering.gather_order``): its decisions on small sequences of
+events, and the one object the runtime's gatherer and the estimator both drive (a change to it changes both)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from zero.estimator import Workload, estimate
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.gathering import gathering
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.runtime.gather_order import GatherOrder, UnitState
+from zero.runtime.gathering.gather_order import GatherOrder, UnitState
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=3, num_heads=2)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zero.runtime.stepper import triton_available
+from zero.runtime.step.stepper import triton_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,4 +31,4 @@ def test_a_step_reads_the_device_once_whatever_the_model_size():
         assert len(small) <= 1 and len(large) == len(small), (case, small, large)
     # the one read: which parameters got a gradient on any rank, and the ranks' agreement, after backward
     (only,) = reads["stage3-bf16/6"]
-    assert only.startswith("runtime/reducer.py:") and only.endswith(" tolist"), only
+    assert only.startswith("runtime/reduction/reducer.py:") and only.endswith(" tolist"), only

@@ -1,4 +1,4 @@
-"""The step kernels (``zero.kernels``) and their selection (``zero.runtime.stepper``)."""
+"""The step kernels (``zero.kernels``) and their selection (``zero.runtime.step.stepper``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from tests.toy import Net
 from zero import ZeroOptimizer
 from zero.kernels.reference import adamw_reference
-from zero.runtime.stepper import triton_available
+from zero.runtime.step.stepper import triton_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

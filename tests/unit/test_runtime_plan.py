@@ -10,12 +10,12 @@ import torch
 from tests.toy import Net
 from zero.config import ZeroConfig
 from zero.precision import BufferDtypes, MixedPrecision
+from zero.runtime.buffers.flat_buffer import BufferState, FlatBuffer
+from zero.runtime.buffers.layout import plan_buckets
+from zero.runtime.buffers.placement import DevicePlacement, HostPlacement, Placements, Where
+from zero.runtime.buffers.plan import Role, plan_bucket
 from zero.runtime.build import build_runtime
-from zero.runtime.flat_buffer import BufferState, FlatBuffer
-from zero.runtime.layout import plan_buckets
-from zero.runtime.placement import DevicePlacement, HostPlacement, Placements, Where
-from zero.runtime.plan import Role, plan_bucket
-from zero.runtime.reduction_order import ReductionOrder
+from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.stages import make_stage
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from torch import nn
 
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, synthetic_batch
-from zero.runtime.sharded_grad import ShardedGrad
+from zero.runtime.buffers.sharded_grad import ShardedGrad
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_layers=1, num_heads=2)
 
@@ -85,7 +85,7 @@ def test_stage2_releases_gradients_and_stage1_keeps_views():
         opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
         x, y = synthetic_batch(0, 4, CFG)
         model.loss(x, y).backward()
-        # p.grad is a guard: the reduced gradient is sharded (zero.runtime.sharded_grad)
+        # p.grad is a guard: the reduced gradient is sharded (zero.runtime.buffers.sharded_grad)
         assert all(type(p.grad) is ShardedGrad for p in model.parameters())
         if stage == 2:
             assert all(not b.staging.is_allocated for b in opt.buckets)  # staging released

@@ -15,7 +15,7 @@ from tests.readouts import flat_params
 from tests.toy import Blocks
 from zero import ZeroOptimizer
 from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
-from zero.runtime.gatherer import UnitState
+from zero.runtime.gathering.gatherer import UnitState
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=4, num_heads=2)
 

@@ -34,8 +34,8 @@ NOT_LISTED = {
     "tensor file keys must be unique and not '__metadata__'": "tensorfile.write: keys are zero's own code's",
     "…: got … …, expected … …": "tensorfile.write: a tensor against the spec its caller made for it",
     # the message is not a literal at the raise; its text is checked where it is made
-    "zero/runtime/sharded_param.py:convert_or_refuse": "always cast_after_wrapping(...), checked at bucket.py",
-    "zero/runtime/gatherer.py:wait": "a failed collective's own error plus the unit-order warning (_divergence)",
+    "zero/runtime/buffers/sharded_param.py:convert_or_refuse": "always cast_after_wrapping(...), checked at bucket.py",
+    "zero/runtime/gathering/gatherer.py:wait": "a failed collective's own error plus the unit-order warning",
 }
 
 

@@ -11,7 +11,7 @@ import torch
 
 from zero.checkpoint import tensorfile
 from zero.optimizer import ZeroOptimizer
-from zero.runtime.bucket import ParamSlot
+from zero.runtime.buffers.bucket import ParamSlot
 
 
 @dataclass

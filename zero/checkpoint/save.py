@@ -19,7 +19,7 @@ from zero.checkpoint.shard_header import class_name
 from zero.checkpoint.tensorfile import Spec
 from zero.comm.communicator import Communicator
 from zero.optimizer import ZeroOptimizer
-from zero.runtime.bucket import Bucket
+from zero.runtime.buffers.bucket import Bucket
 from zero.version import __version__
 
 

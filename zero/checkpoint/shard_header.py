@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from zero.runtime.bucket import LocalPiece
-from zero.runtime.partition import Partition
+from zero.runtime.buffers.bucket import LocalPiece
+from zero.runtime.buffers.partition import Partition
 
 FORMAT = "zero.shard/2"
 FULL_PRECISION = {"param_dtype": None, "reduce_dtype": None}
@@ -241,7 +241,7 @@ def _check_state_value(name: Any, value: Any, index: int, piece: PieceRecord) ->
 
 
 def _record(local_piece: LocalPiece) -> PieceRecord:
-    """``(parameter name, start, numel)`` of a :class:`~zero.runtime.bucket.LocalPiece`."""
+    """``(parameter name, start, numel)`` of a :class:`~zero.runtime.buffers.bucket.LocalPiece`."""
     return (local_piece.slot.name, local_piece.piece.param_start, local_piece.piece.numel)
 
 

@@ -15,7 +15,7 @@ agreement on which parameters got gradients is taken over every rank.
 
 ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) uses the same mesh differently: the runtime
 shards over every rank as without hierarchy, and the shard groups only carry backward's gathers from each rank's
-secondary copy of its group's chunk of the parameters (``zero.runtime.secondary``).
+secondary copy of its group's chunk of the parameters (``zero.runtime.gathering.secondary``).
 """
 
 from __future__ import annotations

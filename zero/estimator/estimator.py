@@ -52,7 +52,7 @@ from zero.estimator.traffic import (
 from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
 from zero.precision import DTYPES, MixedPrecision
-from zero.runtime.units import plan_units
+from zero.runtime.buffers.units import plan_units
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
 

@@ -1,12 +1,12 @@
 """Stage 3's gathered units, priced over a traced step (see :mod:`zero.estimator.schedule`).
 
 What is gathered, prefetched and released, and when, is decided by the runtime's own schedule,
-``zero.runtime.gather_order.GatherOrder``: this module tells it the trace's module events, as the gatherer's hooks do
-at run time (a unit's forward starts or ends, backward reaches it, its inputs' gradients are computed, a parameter's
-gradient arrives, backward ends, the step), and prices what it decides: the units gathered and waited for, those in
-flight (the tracker's "communication"), what a quantized gather's packets hold and the slice it decodes through
-(:mod:`zero.estimator.codec_memory`), and how many times each unit is gathered and, of those, how many from hpZ's
-secondary copies (``zero.runtime.secondary``; :mod:`zero.estimator.traffic` counts them).
+``zero.runtime.gathering.gather_order.GatherOrder``: this module tells it the trace's module events, as the
+gatherer's hooks do at run time (a unit's forward starts or ends, backward reaches it, its inputs' gradients are
+computed, a parameter's gradient arrives, backward ends, the step), and prices what it decides: the units gathered
+and waited for, those in flight (the tracker's "communication"), what a quantized gather's packets hold and the slice
+it decodes through (:mod:`zero.estimator.codec_memory`), and how many times each unit is gathered and, of those, how
+many from hpZ's secondary copies (``zero.runtime.gathering.secondary``; :mod:`zero.estimator.traffic` counts them).
 
 The runtime prefetches in the order units ran on the previous pass, so the trace is told to the schedule twice: the
 first time unpriced (the first step, which gathers on demand), then priced (every later step).
@@ -20,7 +20,7 @@ from typing import Callable
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.timeline import Point, Timeline
 from zero.estimator.traffic import Wire
-from zero.runtime.gather_order import GatherOrder
+from zero.runtime.gathering.gather_order import GatherOrder
 
 
 def _nothing() -> None:
@@ -29,7 +29,8 @@ def _nothing() -> None:
 
 @dataclass
 class Gathering:
-    """Prices the gathering schedule's decisions (``zero.runtime.gather_order.Gathers``) over the trace's events."""
+    """Prices the gathering schedule's decisions (``zero.runtime.gathering.gather_order.Gathers``) over the trace's
+    events."""
 
     unit_bytes: dict[str, int]
     unit_params: dict[str, set[str]]  # each unit's trainable parameters

@@ -2,13 +2,13 @@
 ``zero.offload``'s and ``zero.config``'s rules, and the host-memory and disk bytes of the buffers the stage plan
 puts off the device.
 
-Host and disk bytes are read from the same bucket plans the device side is (``zero.runtime.plan``: each buffer's
+Host and disk bytes are read from the same bucket plans the device side is (``zero.runtime.buffers.plan``: each buffer's
 ``where``), built with the placements the runtime itself derives from the policy (``Placements.of``), so the
 estimate and the runtime cannot disagree on which buffer lives where. The offload file is sized by the runtime's own
-count (``zero.runtime.disk.planned_disk_bytes``: each buffer on disk and each trainable bucket's region per key of
-the optimizer's per-element state, page-rounded, after a header page), with the state's keys learned by the
-runtime's own probe (``zero.runtime.paging.per_element_state``); host memory then holds a window of ``buffer_count``
-buckets of it at a time (``zero.runtime.paging``).
+count (``zero.runtime.offload.disk.planned_disk_bytes``: each buffer on disk and each trainable bucket's region
+per key of the optimizer's per-element state, page-rounded, after a header page), with the state's keys learned by
+the runtime's own probe (``zero.runtime.offload.paging.per_element_state``); host memory then holds a window of
+``buffer_count`` buckets of it at a time (``zero.runtime.offload.paging``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Union
 import torch
 
 from zero.offload import Offload
-from zero.runtime.disk import HEADER_BYTES, planned_disk_bytes
-from zero.runtime.placement import DevicePlacement, Placements, Where
-from zero.runtime.plan import BucketPlan, StagePlan
+from zero.runtime.buffers.placement import DevicePlacement, Placements, Where
+from zero.runtime.buffers.plan import BucketPlan, StagePlan
+from zero.runtime.offload.disk import HEADER_BYTES, planned_disk_bytes
 
 OFFLOADS = ("none", "cpu", "disk")  # fastest first: the planner's order
 BUFFER_COUNTS = (1, 64)  # as zero.Offload.buffer_count takes it
@@ -116,5 +116,6 @@ class OffBytes:
 
 
 def window(files: list[int], buffer_count: int) -> int:
-    """Host memory the largest ``buffer_count`` buckets' files take when mapped (``zero.runtime.paging``'s window)."""
+    """Host memory the largest ``buffer_count`` buckets' files take when mapped (``zero.runtime.offload.paging``'s
+    window)."""
     return sum(sorted(files, reverse=True)[:buffer_count])

@@ -3,10 +3,11 @@
 The trace has the model's own bytes after every operator: what autograd saves, operator temporaries
 and autograd's gradients (every ``p.grad`` starting as ``None``). This module adds what
 ``ZeroOptimizer`` holds for rank 0 of ``world_size`` ranks, and when, using the buckets and units
-the optimizer itself would build (``zero.runtime.partition.build_partition`` on the fake model):
+the optimizer itself would build (``zero.runtime.buffers.partition.build_partition`` on the fake model):
 
 * parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point, as the
-  runtime's own gathering schedule decides (``zero.runtime.gather_order``, priced by :mod:`zero.estimator.gathering`);
+  runtime's own gathering schedule decides (``zero.runtime.gathering.gather_order``, priced by
+  :mod:`zero.estimator.gathering`);
 * gradients: stages 0-1 accumulate into persistent buckets (autograd's fresh gradient lives only while it
   is added); stages 2-3 keep autograd's gradients until their bucket is launched, strictly in bucket order
   at the next gradient's arrival, when they are copied into a staging buffer (``communication``) and
@@ -31,7 +32,7 @@ from zero.estimator.gathering import gathering as replay_gathering
 from zero.estimator.offloading import OffBytes, OffloadChoice, window
 from zero.estimator.timeline import Point, Timeline
 from zero.estimator.traffic import Wire
-from zero.runtime.reduction_order import ReductionOrder
+from zero.runtime.reduction.reduction_order import ReductionOrder
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Layout:
     staged: bool  # reductions copy into a staging buffer (stages 2-3; stages 0-1 under some precisions)
     grad_buffer: int  # stages 0-1: the persistent gradient buckets
     units: tuple[str, ...] = ()  # stage 3, root first
-    disk: int = 0  # offload to disk: the offload file (zero.runtime.disk.planned_disk_bytes)
+    disk: int = 0  # offload to disk: the offload file (zero.runtime.offload.disk.planned_disk_bytes)
     disk_state: int = 0  # ... of which bytes per element of optimizer state (the rest of the state stays in memory)
     slots: int = 0  # trainable parameters (a flag each in the end of backward's agreement)
 
@@ -133,7 +134,8 @@ class _Reduction:
     packets: dict[int, int] = field(default_factory=dict)  # id(bucket) -> what its codec holds while it is in flight
     across: set[int] = field(default_factory=set)  # id(bucket): HSDP's sum across the groups started (advanced)
     transient: int = 0  # a reduction encoding or decoding: the slice it works through
-    order: ReductionOrder[BucketBytes] = field(init=False)  # the reducer's own order (zero.runtime.reduction_order)
+    # the reducer's own order (zero.runtime.reduction.reduction_order)
+    order: ReductionOrder[BucketBytes] = field(init=False)
 
     def __post_init__(self) -> None:
         self.order = ReductionOrder([b for b in self.layout.buckets if b.params], self.options.max_in_flight)
@@ -301,7 +303,7 @@ def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffB
 
 def _widening(layout: Layout) -> float:
     """Bytes of the reduce-dtype accumulator per byte of gradient under ``no_sync()``: its itemsize over the
-    parameters' when the reduce dtype is wider (``zero.runtime.reducer._widen``), else 0."""
+    parameters' when the reduce dtype is wider (``zero.runtime.reduction.reducer._widen``), else 0."""
     trainable = [b for b in layout.buckets if b.params]
     ratio = sum(b.staging for b in trainable) / max(1, sum(b.whole for b in trainable)) if layout.staged else 0.0
     return ratio if ratio > 1 else 0.0

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zero.outputs import tensors_in
-from zero.runtime.post_backward import hook_input_gradients
+from zero.runtime.gathering.post_backward import hook_input_gradients
 
 KINDS = ("activations", "temporaries", "gradients")
 
@@ -52,7 +52,7 @@ class Point:
     activations: int
     temporaries: int
     gradients: int
-    outputs: str = ""  # "leave" in forward: how stage 3 ends the forward (zero.runtime.gather_order.Outputs)
+    outputs: str = ""  # "leave" in forward: how stage 3 ends the forward (zero.runtime.gathering.gather_order.Outputs)
 
     @property
     def total(self) -> int:

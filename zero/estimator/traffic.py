@@ -2,7 +2,7 @@
 ``opt.comm_stats`` counts them (:mod:`zero.comm.communicator`).
 
 The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memory estimate prices,
-``zero.runtime.plan``) and, at stage 3, how often the replayed step gathers each unit
+``zero.runtime.buffers.plan``) and, at stage 3, how often the replayed step gathers each unit
 (:mod:`zero.estimator.schedule`). Per step (one forward and backward, then ``step()``):
 
 * every trainable bucket's gradients: stage 0 all-reduces its staging buffer; stages 1-3 reduce-scatter it (the
@@ -21,7 +21,7 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
   group is the whole world, as without hierarchy), except the gathers issued while autograd's backward runs
   (backward and activation checkpointing's recomputation) of a unit whose secondary copy is current (gathered since
   every unit was last released): those are all-gathers inside hpZ's group of ``shard_size`` ranks from the copies,
-  exact whatever the codec (``P`` elements in the parameters' dtype; ``zero.runtime.secondary``).
+  exact whatever the codec (``P`` elements in the parameters' dtype; ``zero.runtime.gathering.secondary``).
 
 Levels, and the names ``opt.comm_stats`` gives their kinds (:meth:`Traffic.comm_stats`):
 

@@ -21,14 +21,14 @@ from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Recorder, Timeline, record_step
 from zero.estimator.traffic import Wire
 from zero.precision import DTYPES, MixedPrecision, full_precision_parameters, input_casts
-from zero.runtime.bucket import adopt_edits_
-from zero.runtime.disk import planned_disk_bytes
-from zero.runtime.paging import per_element_state
-from zero.runtime.partition import build_partition
-from zero.runtime.placement import Where
-from zero.runtime.plan import BucketPlan, Role
+from zero.runtime.buffers.bucket import adopt_edits_
+from zero.runtime.buffers.partition import build_partition
+from zero.runtime.buffers.placement import Where
+from zero.runtime.buffers.plan import BucketPlan, Role
+from zero.runtime.buffers.units import plan_units
+from zero.runtime.offload.disk import planned_disk_bytes
+from zero.runtime.offload.paging import per_element_state
 from zero.runtime.stages import make_stage
-from zero.runtime.units import plan_units
 
 # the precisions the planner prices, as ZeroOptimizer's policies
 POLICIES = {
@@ -216,8 +216,8 @@ class Workload:
     def step(self, layout: Layout, precision: str = "fp32") -> StepTrace:
         """What ``ZeroOptimizer.step()`` holds besides the buffers, traced on fake tensors: the wrapped optimizer's
         state per element and the largest temporaries of a step, one bucket at a time: under mixed precision the
-        masters first adopt edits of the parameters (``zero.runtime.bucket.adopt_edits_``), then the wrapped optimizer
-        steps the pieces of the bucket's chunk (two steps: the second is the steady state). Traced on rank 0's
+        masters first adopt edits of the parameters (``zero.runtime.buffers.bucket.adopt_edits_``), then the wrapped
+        optimizer steps the pieces of the bucket's chunk (two steps: the second is the steady state). Traced on rank 0's
         largest chunk and on the chunk holding the largest piece (a foreach step's temporaries grow with the
         chunk, a per-tensor step's with the largest piece)."""
         policy = POLICIES[precision]
@@ -260,7 +260,7 @@ class Workload:
 
 
 def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> BucketBytes:
-    """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.plan``)."""
+    """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.buffers.plan``)."""
     lay, d = plan.layout, plan.dtypes
     return BucketBytes(
         params=names if plan.trainable else (),

@@ -6,7 +6,7 @@ master, m, v (12) and the bf16 parameter (2): 28-30 bytes, at memory bandwidth. 
 rounded to nearest-even with integer arithmetic rather than with Triton's cast, so that it equals
 ``master.to(torch.bfloat16)`` bit for bit on every backend, Triton's CPU interpreter included
 (``TRITON_INTERPRET=1``, which rounds its casts toward zero: that is how the tests run it without a
-GPU). Import this module only where ``triton`` is installed (:func:`zero.runtime.stepper.triton_available`).
+GPU). Import this module only where ``triton`` is installed (:func:`zero.runtime.step.stepper.triton_available`).
 
 One launch steps a whole flat buffer (a bucket's chunk) made of *segments* (the pieces of its parameters),
 each with its own hyperparameters (its parameter group's, and its own step count): a *block table* gives

@@ -30,25 +30,25 @@ from zero.precision import (
     full_precision_parameters,
     input_casts,
 )
-from zero.runtime.delayed import DelayedStep
-from zero.runtime.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
-from zero.runtime.gatherer import ParamGatherer
-from zero.runtime.host_threads import HostThreads
-from zero.runtime.inner import check_optimizer, rebuild_optimizer
-from zero.runtime.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.buffers.ownership import Owner, claim_parameters, managed_elsewhere
+from zero.runtime.buffers.partition import Partition, build_partition
+from zero.runtime.buffers.placement import Placements
+from zero.runtime.buffers.units import plan_units
+from zero.runtime.gathering.gatherer import ParamGatherer
+from zero.runtime.gathering.no_gatherer import NoGatherer
+from zero.runtime.gathering.release import ModelRelease, gather_dropped_shards
+from zero.runtime.gathering.secondary import PrimaryShards, SecondaryCopies
 from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
-from zero.runtime.no_gatherer import NoGatherer
-from zero.runtime.ownership import Owner, claim_parameters, managed_elsewhere
-from zero.runtime.paging import DiskPaging, DiskState, Resident, per_element_state
-from zero.runtime.partition import Partition, build_partition
-from zero.runtime.placement import Placements
-from zero.runtime.reducer import GradReducer
-from zero.runtime.release import ModelRelease, gather_dropped_shards
+from zero.runtime.offload.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
+from zero.runtime.offload.paging import DiskPaging, DiskState, Resident, per_element_state
+from zero.runtime.reduction.reducer import GradReducer
 from zero.runtime.runtime import Runtime
-from zero.runtime.secondary import PrimaryShards, SecondaryCopies
 from zero.runtime.stages import Stage, Stage3, make_stage
-from zero.runtime.stepper import BucketStepper, ImmediateUpdate
-from zero.runtime.units import plan_units
+from zero.runtime.step.delayed import DelayedStep
+from zero.runtime.step.host_threads import HostThreads
+from zero.runtime.step.inner import check_optimizer, rebuild_optimizer
+from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
 from zero.runtime.wrappers import check_not_ddp
 from zero.weak import weak_hook
 
@@ -73,7 +73,7 @@ def build_runtime(
     comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
     for communicator in (comm, *comm.levels.values()):
         communicator.codec = codec_of(config.communication)
-    gather_dropped_shards(model)  # parameters a dropped stage-3 optimizer left sharded (see zero.runtime.release)
+    gather_dropped_shards(model)  # what a dropped stage-3 optimizer left sharded (zero.runtime.gathering.release)
     check_device_supports(config.precision, comm.device)
     stage = make_stage(config.stage, config.precision)
     meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
@@ -141,7 +141,7 @@ def build_runtime(
 
 def watch_for_drop(owner: Any, runtime: Runtime) -> None:
     """When ``owner`` (the ``ZeroOptimizer``) is dropped without ``close()``, give the model back as far as that
-    can be done without a collective (see ``zero.runtime.release``)."""
+    can be done without a collective (see ``zero.runtime.gathering.release``)."""
     finalizer = weakref.finalize(owner, runtime.release.dropped)
     finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
 

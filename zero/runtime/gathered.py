@@ -11,11 +11,11 @@ from typing import Iterable, Iterator
 import torch
 
 from zero.comm.communicator import Communicator
-from zero.runtime.bucket import Bucket
-from zero.runtime.placement import HOST
-from zero.runtime.reducer import GradState
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.buffers.placement import HOST
+from zero.runtime.buffers.sharded_param import cast_after_wrapping, set_data
+from zero.runtime.reduction.reducer import GradState
 from zero.runtime.runtime import Runtime, wait_all
-from zero.runtime.sharded_param import cast_after_wrapping, set_data
 
 Targets = torch.nn.Module | torch.nn.Parameter | Iterable[torch.nn.Module | torch.nn.Parameter] | None
 

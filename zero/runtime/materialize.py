@@ -33,8 +33,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from zero.runtime.bucket import ParamSlot
-from zero.runtime.sharded_param import ZeroParameter, placeholder, set_data
+from zero.runtime.buffers.bucket import ParamSlot
+from zero.runtime.buffers.sharded_param import ZeroParameter, placeholder, set_data
 
 InitFn = Callable[[nn.Module], None]
 

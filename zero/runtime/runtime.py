@@ -19,19 +19,19 @@ from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.kernels.grad_norm import scale_, tensor_norms, total_norm
 from zero.precision import DTYPES, cast_inputs
-from zero.runtime.bucket import Bucket, LocalPiece
-from zero.runtime.delayed import DelayedStep
-from zero.runtime.gatherer import ParamGatherer
-from zero.runtime.loss_scaler import LossScaler, NoLossScaling
-from zero.runtime.no_gatherer import NoGatherer
-from zero.runtime.ownership import Owner, check_model
-from zero.runtime.paging import Resident
-from zero.runtime.partition import Partition
-from zero.runtime.placement import Placements
-from zero.runtime.reducer import GradReducer, GradState
-from zero.runtime.release import ModelRelease
+from zero.runtime.buffers.bucket import Bucket, LocalPiece
+from zero.runtime.buffers.ownership import Owner, check_model
+from zero.runtime.buffers.partition import Partition
+from zero.runtime.buffers.placement import Placements
+from zero.runtime.gathering.gatherer import ParamGatherer
+from zero.runtime.gathering.no_gatherer import NoGatherer
+from zero.runtime.gathering.release import ModelRelease
+from zero.runtime.offload.paging import Resident
+from zero.runtime.reduction.reducer import GradReducer, GradState
 from zero.runtime.stages import Stage
-from zero.runtime.stepper import BucketStepper, ImmediateUpdate
+from zero.runtime.step.delayed import DelayedStep
+from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
 from zero.runtime.wrappers import check_not_called_by_ddp
 
 
@@ -45,7 +45,7 @@ class Runtime:
     stage: Stage
     partition: Partition
     placements: Placements
-    owner: Owner  # what the managed parameters are marked with (zero.runtime.ownership)
+    owner: Owner  # what the managed parameters are marked with (zero.runtime.buffers.ownership)
     inner: torch.optim.Optimizer  # the wrapped optimizer, rebuilt over this rank's pieces
     stepper: BucketStepper
     update: ImmediateUpdate | DelayedStep
@@ -74,7 +74,7 @@ class Runtime:
             raise ValueError("this ZeroOptimizer was closed (close()); build a new one over the model to train it")
 
     def check_model(self) -> None:
-        """As each backward pass starts and before a step: see :func:`zero.runtime.ownership.check_model`."""
+        """As each backward pass starts and before a step: see :func:`zero.runtime.buffers.ownership.check_model`."""
         check_model(self.module, self.buckets, whole=not self.gatherer.sharded)
 
     def before_backward(self) -> None:

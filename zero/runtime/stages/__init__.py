@@ -1,8 +1,8 @@
 """Stage policies: each decides where gradients live and how they are reduced and gathered.
 
 Each stage builds on the one before; the reduction machinery shared by all
-of them (gradient hooks, bucket ordering, overlap) lives in :mod:`zero.runtime.reducer`, and
-stage 3's parameter gathering (module hooks, prefetch) in :mod:`zero.runtime.gatherer`.
+of them (gradient hooks, bucket ordering, overlap) lives in :mod:`zero.runtime.reduction.reducer`, and
+stage 3's parameter gathering (module hooks, prefetch) in :mod:`zero.runtime.gathering.gatherer`.
 Under mixed precision stages 0-1 take the variants of :mod:`zero.runtime.stages.mixed`.
 """
 

@@ -2,7 +2,7 @@
 
 The optimizer steps fp32 master weights, so the reduced gradient it needs is not what ``p.grad``
 (in the parameters' low-precision dtype) can hold: at stage 0 too, ``p.grad`` shows a
-:class:`~zero.runtime.sharded_grad.ShardedGrad` guard after a reduction, as at stages 1-3. Stage 0 is
+:class:`~zero.runtime.buffers.sharded_grad.ShardedGrad` guard after a reduction, as at stages 1-3. Stage 0 is
 then stage 1's gradient handling with one shard and an all-reduce (:class:`Replicated`).
 
 When the reduce dtype is not the parameters' (the default: bf16 parameters, fp32 reduction),
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from zero.comm.communicator import Communicator, Handle
-from zero.runtime.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.stages.stage1 import Stage1
 from zero.runtime.stages.stage2 import StagedReduction
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from zero.comm.communicator import Communicator, Handle
-from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.plan import StagePolicy
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.plan import StagePolicy
 
 
 class Stage0:
     number = 0
-    persistent_grads = True  # what the plan gives each bucket (zero.runtime.plan.StagePolicy)
+    persistent_grads = True  # what the plan gives each bucket (zero.runtime.buffers.plan.StagePolicy)
     staged = False
     carries = False
     sharded_params = False

@@ -7,7 +7,7 @@ buffer still holds local gradients, which nothing reads. The inner optimizer ste
 only this rank's chunk, so its state is ``1/N`` of the model; updated chunks are
 then all-gathered in place into ``param_buffer``.
 
-After a reduction ``p.grad`` is a :class:`~zero.runtime.sharded_grad.ShardedGrad` guard: no rank has
+After a reduction ``p.grad`` is a :class:`~zero.runtime.buffers.sharded_grad.ShardedGrad` guard: no rank has
 the whole averaged gradient.
 
 Note: another backward pass before ``step()`` (accumulation without ``no_sync()``, or two
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from zero.comm.communicator import Communicator, Handle
-from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.sharded_grad import sharded_grad
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.sharded_grad import sharded_grad
 from zero.runtime.stages.stage0 import Stage0
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.runtime.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.stages.stage0 import zero_local_grads
 from zero.runtime.stages.stage1 import Stage1
 

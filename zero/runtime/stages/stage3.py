@@ -3,12 +3,12 @@
 Each rank keeps only its chunk of every bucket (``shard_buffer``, ``1/N`` of the model);
 the optimizer updates it in place and nothing is gathered after the step. A bucket's
 full ``param_buffer`` exists only while its unit is gathered: :class:`ParamGatherer`
-(``zero.runtime.gatherer``) calls :meth:`unshard` before the unit's forward and again
+(``zero.runtime.gathering.gatherer``) calls :meth:`unshard` before the unit's forward and again
 before its backward, and :meth:`reshard` after each. Gradients are handled exactly as at
 stage 2 (staged per bucket, reduce-scattered, kept as a ``1/N`` shard).
 
 While sharded, every parameter's ``.data`` is a guarded placeholder (see
-``zero.runtime.sharded_param``), never a view of released memory.
+``zero.runtime.buffers.sharded_param``), never a view of released memory.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from zero.comm.communicator import Communicator, Handle
-from zero.runtime.bucket import Bucket
-from zero.runtime.sharded_param import make_sharded, placeholder, set_data
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.buffers.sharded_param import make_sharded, placeholder, set_data
 from zero.runtime.stages.stage2 import Stage2
 
 

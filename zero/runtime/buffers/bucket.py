@@ -1,8 +1,8 @@
 """``Bucket``: one layout bound to its parameters, the flat buffers its plan lists, and local optimizer pieces.
 
-The buffers are built once, from the bucket's plan (``zero.runtime.plan``: its table says which exist at
+The buffers are built once, from the bucket's plan (``zero.runtime.buffers.plan``: its table says which exist at
 each stage and precision, their sizes, dtypes and where they live), each on its placement; the stage then
-only moves them between states (``zero.runtime.flat_buffer``). The attributes, by role:
+only moves them between states (``zero.runtime.buffers.flat_buffer``). The attributes, by role:
 
 * ``param_buffer`` (params), ``shard_buffer`` (shard, stage 3), ``master_buffer`` (master, or ``None``: the
   optimizer steps ``shard`` itself), ``grad_buffer`` (grads, stages 0-1), ``staging`` (staging: the gradient
@@ -27,11 +27,11 @@ from typing import Iterator
 import torch
 
 from zero.memory import MemoryItem
-from zero.runtime.flat_buffer import FlatBuffer
-from zero.runtime.layout import ParamSpan, Piece
-from zero.runtime.placement import DevicePlacement, Placements
-from zero.runtime.plan import BucketPlan, Role
-from zero.runtime.sharded_param import cast_after_wrapping
+from zero.runtime.buffers.flat_buffer import FlatBuffer
+from zero.runtime.buffers.layout import ParamSpan, Piece
+from zero.runtime.buffers.placement import DevicePlacement, Placements
+from zero.runtime.buffers.plan import BucketPlan, Role
+from zero.runtime.buffers.sharded_param import cast_after_wrapping
 
 
 @dataclass
@@ -73,7 +73,7 @@ class LocalPiece:
 
 
 class Bucket:
-    """Runtime state of one :class:`~zero.runtime.layout.BucketLayout` on one rank."""
+    """Runtime state of one :class:`~zero.runtime.buffers.layout.BucketLayout` on one rank."""
 
     def __init__(self, plan: BucketPlan, shard_index: int, device: torch.device, placements: Placements):
         self.plan = plan

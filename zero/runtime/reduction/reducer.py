@@ -34,17 +34,17 @@ Life of one backward pass:
    gradients that never arrived and launched in order; then one small all-reduce tells
    every rank which parameters got a gradient on *any* rank (and, with fp16 loss scaling,
    whether any rank's local gradients overflowed: each bucket is checked as it is collected
-   for its reduction, see :mod:`zero.runtime.loss_scaler`). The optimizer gives the
+   for its reduction, see :mod:`zero.runtime.step.loss_scaler`). The optimizer gives the
    others no gradient at all, exactly as single-process PyTorch leaves ``p.grad = None``.
    At stage 3 the same all-reduce carries a fingerprint of the units each rank gathered,
-   so ranks that ran different units are caught here (see ``zero.runtime.gatherer``).
+   so ranks that ran different units are caught here (see ``zero.runtime.gathering.gatherer``).
 6. Every parameter with a gradient gets its published ``p.grad`` back (``stage.published_grad``:
-   the whole gradient at stage 0, a :class:`~zero.runtime.sharded_grad.ShardedGrad` guard at stages 1-3),
+   the whole gradient at stage 0, a :class:`~zero.runtime.buffers.sharded_grad.ShardedGrad` guard at stages 1-3),
    so that what the user does to it before the next pass can be seen.
 
 Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
 and the next synchronized pass reduces their sum. A pass that dies with an error (detected by
-:class:`~zero.runtime.backward_pass.BackwardPass`) leaves its gradients incomplete: its
+:class:`~zero.runtime.gathering.backward_pass.BackwardPass`) leaves its gradients incomplete: its
 collectives are drained and everything else is refused until the gradients are cleared.
 """
 
@@ -56,14 +56,14 @@ from typing import Callable
 import torch
 
 from zero.comm.communicator import Communicator
-from zero.runtime.backward_pass import BackwardPass
-from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.gatherer import ParamGatherer
-from zero.runtime.loss_scaler import LossScaler, NoLossScaling
-from zero.runtime.no_gatherer import NoGatherer
-from zero.runtime.placement import to_device_async
-from zero.runtime.reduction_order import ReductionOrder
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.placement import to_device_async
+from zero.runtime.gathering.backward_pass import BackwardPass
+from zero.runtime.gathering.gatherer import ParamGatherer
+from zero.runtime.gathering.no_gatherer import NoGatherer
+from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.stages.stage0 import Stage0
+from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook
 
 _AGREE_MOD = 2**31 - 1  # values compared across ranks ride in int32 flags

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from zero.runtime.bucket import Bucket, LocalPiece
-from zero.runtime.placement import to_device_async
+from zero.runtime.buffers.bucket import Bucket, LocalPiece
+from zero.runtime.buffers.placement import to_device_async
 
 
 class FlatAdamState:

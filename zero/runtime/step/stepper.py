@@ -10,7 +10,7 @@ element by element, so the split changes no number.
 ``ZeroConfig.step_kernel`` chooses the kernel of mixed-precision Adam and AdamW on the device:
 
 * ``"torch"``: the wrapped optimizer, then the master cast into the bf16 parameters (two passes);
-* ``"triton"``: one Triton pass per bucket (``zero.runtime.flat_step``, ``zero.kernels.triton_adamw``) that
+* ``"triton"``: one Triton pass per bucket (``zero.runtime.step.flat_step``, ``zero.kernels.triton_adamw``) that
   reads the gradient, master, m and v and writes master, m, v and the bf16 parameter, with no host read of a
   device value; the optimizer's state keeps torch's format (``step``, ``exp_avg``, ``exp_avg_sq``), so
   checkpoints and schedulers are unaffected;
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from zero.config import StepKernel
-from zero.runtime.bucket import Bucket, LocalPiece
-from zero.runtime.flat_step import FlatAdamW
-from zero.runtime.host_threads import HostThreads
-from zero.runtime.paging import Resident
+from zero.runtime.buffers.bucket import Bucket, LocalPiece
+from zero.runtime.offload.paging import Resident
+from zero.runtime.step.flat_step import FlatAdamW
+from zero.runtime.step.host_threads import HostThreads
 
 
 def triton_available() -> bool:
@@ -98,8 +98,8 @@ class BucketStepper:
         pieces: list[LocalPiece] | None = None,
         step_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """Step ``optimizer`` (the wrapped one, or a copy of it: ``zero.runtime.delayed``) over the bucket's ``pieces``
-        (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
+        """Step ``optimizer`` (the wrapped one, or a copy of it: ``zero.runtime.step.delayed``) over the bucket's
+        ``pieces`` (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
         ``grads`` (a chunk-sized tensor) if given."""
         if pieces is None:
             pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
@@ -119,8 +119,8 @@ class BucketStepper:
 class ImmediateUpdate:
     """The synchronous update (without ``offload.delayed_step``): each bucket takes the edits made to its parameters,
     is stepped, then its parameters are shared (stages 1-2) while the next one steps, one bucket after the other in a
-    walk of ``paging`` (``zero.runtime.paging``: on disk, read ahead and written back around its turn). Nothing is
-    ever pending (the interface of ``DelayedStep``)."""
+    walk of ``paging`` (``zero.runtime.offload.paging``: on disk, read ahead and written back around its turn).
+    Nothing is ever pending (the interface of ``DelayedStep``)."""
 
     pending = False
 

@@ -13,7 +13,7 @@ Views handed out earlier (parameter ``.data``, gradient views, optimizer pieces)
 keep pointing at the same storage object, so they become valid again, without
 being re-created, as soon as ``allocate()`` resizes the storage back. Autograd's
 saved references to such views stay valid for the same reason (FSDP2 relies on it).
-The placement (``zero.runtime.placement``) does the resizing: pinned host buffers keep their bytes.
+The placement (``zero.runtime.buffers.placement``) does the resizing: pinned host buffers keep their bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from enum import Enum
 
 import torch
 
-from zero.runtime.placement import DevicePlacement, Placement
+from zero.runtime.buffers.placement import DevicePlacement, Placement
 
 
 class BufferState(Enum):

@@ -2,7 +2,7 @@
 
 For each bucket the plan lists its buffers (:class:`BufferSpec`: role, size, dtype, where it lives, whether
 it is resident or allocated only while in use, or a view of another buffer) and the collectives that move
-them. The runtime builds each bucket's buffers from its plan (``zero.runtime.bucket``), and the estimator
+them. The runtime builds each bucket's buffers from its plan (``zero.runtime.buffers.bucket``), and the estimator
 prices the same plans (``zero.estimator``), so the two cannot drift apart.
 
 Sizes in elements: ``P`` is the bucket's padded size, ``C = P / num_shards`` one rank's chunk.
@@ -34,8 +34,8 @@ from enum import Enum
 import torch
 
 from zero.precision import BufferDtypes
-from zero.runtime.layout import BucketLayout
-from zero.runtime.placement import Placements, Where
+from zero.runtime.buffers.layout import BucketLayout
+from zero.runtime.buffers.placement import Placements, Where
 
 
 class Role(Enum):
@@ -66,7 +66,7 @@ class BufferSpec:
 
     @property
     def side(self) -> str:
-        """Which of a run's placements holds it (``zero.runtime.placement.Placements``)."""
+        """Which of a run's placements holds it (``zero.runtime.buffers.placement.Placements``)."""
         return SIDES.get(self.role, "device")
 
     @property

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from zero.runtime.bucket import Bucket
+from zero.runtime.buffers.bucket import Bucket
 
 
 class Owner:

@@ -1,7 +1,7 @@
 """Build the runtime buckets for a model and a wrapped optimizer (construction only).
 
-Parameters are packed into bucket layouts (``zero.runtime.layout``), each layout gets its plan
-(``zero.runtime.plan``: which buffers, where), and each bucket is built from its plan. The stage then fills
+Parameters are packed into bucket layouts (``zero.runtime.buffers.layout``), each layout gets its plan
+(``zero.runtime.buffers.plan``: which buffers, where), and each bucket is built from its plan. The stage then fills
 them (``Stage.init_params``): whole parameters at stages 0-2, shards at stage 3.
 """
 
@@ -14,12 +14,12 @@ from typing import Callable
 import torch
 
 from zero.precision import BufferDtypes
-from zero.runtime.bucket import Bucket, ParamSlot
-from zero.runtime.layout import plan_buckets
-from zero.runtime.ownership import managed_elsewhere
-from zero.runtime.placement import DevicePlacement, Placements
-from zero.runtime.plan import StagePlan, StagePolicy, plan_bucket
-from zero.runtime.units import UnitSpec
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
+from zero.runtime.buffers.layout import plan_buckets
+from zero.runtime.buffers.ownership import managed_elsewhere
+from zero.runtime.buffers.placement import DevicePlacement, Placements
+from zero.runtime.buffers.plan import StagePlan, StagePolicy, plan_bucket
+from zero.runtime.buffers.units import UnitSpec
 
 
 @dataclass

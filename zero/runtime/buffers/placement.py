@@ -1,6 +1,6 @@
 """Placements: where a buffer's bytes live, and how they are allocated, released and copied.
 
-A :class:`~zero.runtime.flat_buffer.FlatBuffer` asks its placement for storage and for releasing and
+A :class:`~zero.runtime.buffers.flat_buffer.FlatBuffer` asks its placement for storage and for releasing and
 restoring it; nothing else in the runtime allocates bucket memory. Two memory placements are here:
 
 * :class:`DevicePlacement`: the model's device (a GPU, or the CPU when training on it). Releasing
@@ -10,8 +10,8 @@ restoring it; nothing else in the runtime allocates bucket memory. Two memory pl
   to set up and limited, so a released pinned buffer is only marked unused.
 
 :class:`Placements` is one run's choice of placement per side of a bucket (the device, the optimizer's
-side, stage 3's parameter shard), derived from the offload policy; the plan (``zero.runtime.plan``)
-records which side each buffer is on. :class:`~zero.runtime.disk.DiskPlacement` (ZeRO-Infinity) keeps buffers in
+side, stage 3's parameter shard), derived from the offload policy; the plan (``zero.runtime.buffers.plan``)
+records which side each buffer is on. :class:`~zero.runtime.offload.disk.DiskPlacement` (ZeRO-Infinity) keeps buffers in
 a memory-mapped file per rank; a placement's :meth:`~Placement.prefetch` and :meth:`~Placement.evict` page them
 in and out (nothing to do for memory).
 """
@@ -182,7 +182,7 @@ class Placements:
 
     @classmethod
     def of(cls, offload: Offload, device: torch.device, disk: Placement | None = None) -> "Placements":
-        """As ``offload`` says; ``disk``: the disk placement (``zero.runtime.disk``) when it says 'disk'."""
+        """As ``offload`` says; ``disk``: the disk placement (``zero.runtime.offload.disk``) when it says 'disk'."""
         assert (disk is not None) == offload.on_disk
         on_device = DevicePlacement(device)
         if offload.ratio == 0:  # nothing offloaded: exactly no offload

@@ -4,7 +4,7 @@
 page-aligned region per buffer, mapped into the process in arenas of a GiB. :class:`DiskPlacement` hands out 1D
 tensors over those regions, so every part of the runtime (the step, clipping, checkpoints) reads and writes
 them as ordinary host tensors while their bytes live on disk. What is in host memory at a time is bounded by
-paging (``zero.runtime.paging``): a region is read ahead (``madvise(MADV_WILLNEED)``) before its bucket is used
+paging (``zero.runtime.offload.paging``): a region is read ahead (``madvise(MADV_WILLNEED)``) before its bucket is used
 and written back and dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``, which starts the write-back)
 right after, so the kernel overlaps reads, the step and writes.
 
@@ -20,7 +20,7 @@ plan puts on disk, :func:`planned_disk_bytes`; the file is created at the first 
 allocated with ``posix_fallocate`` (a full disk fails there, with the bytes needed, never later as a SIGBUS); the
 file's name and header carry a run identity drawn at construction (it is created with ``O_EXCL``, so a file left by
 an earlier run is never read), and the header and inode are checked at every pass over the buckets
-(``zero.runtime.paging``), so a file another process wrote or replaced is an error; the file is removed by
+(``zero.runtime.offload.paging``), so a file another process wrote or replaced is an error; the file is removed by
 ``close()``, when the optimizer is collected, or at a normal interpreter exit, and only if its header still names
 this run (nothing else is ever deleted).
 """
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from zero.runtime.placement import HOST, Placement, Where
-from zero.runtime.plan import StagePlan
+from zero.runtime.buffers.placement import HOST, Placement, Where
+from zero.runtime.buffers.plan import StagePlan
 
 PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on page boundaries (mmap's offset and madvise need it)
 HEADER_BYTES = PAGE

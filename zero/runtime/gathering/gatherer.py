@@ -13,12 +13,12 @@ Life of one unit in a training step (``reshard_after_forward=True``)::
     end of backward    reshard whatever is still gathered (units with unused parameters)
 
 The decisions (which unit to gather, prefetch or release, and when) are the schedule's,
-``zero.runtime.gather_order.GatherOrder``, which the estimator drives too when it prices a traced
+``zero.runtime.gathering.gather_order.GatherOrder``, which the estimator drives too when it prices a traced
 step: this module hooks the model, tells the schedule what happened, and carries its decisions
 out with all-gathers (:class:`AllGathers`).
 
 The unit's backward is over only when autograd has computed the gradient of its forward inputs
-(see ``zero.runtime.post_backward``): frozen weights are read until then, e.g. a frozen base under
+(see ``zero.runtime.gathering.post_backward``): frozen weights are read until then, e.g. a frozen base under
 LoRA adapters, whose last adapter gradient arrives before the frozen weight carries the gradient
 back to the adapters of earlier units. A forward whose inputs need no gradient (the first unit)
 ends its backward with its last parameter gradient: nothing it holds is read after that.
@@ -37,7 +37,7 @@ first forward's (locally, for free): the rank whose order changes warns at once,
 unit, and a gather that then fails or times out repeats it in its error.
 
 A parameter of a released unit can never be read by accident: backward's saved references to
-its parameters are checked when autograd unpacks them (``zero.runtime.saved_params``), and any
+its parameters are checked when autograd unpacks them (``zero.runtime.gathering.saved_params``), and any
 other use is refused by ``ZeroParameter``.
 
 Without gradients (``torch.no_grad()`` inference) a unit is always released after its forward,
@@ -62,14 +62,14 @@ from torch.utils.hooks import RemovableHandle
 
 from zero.comm.communicator import Communicator, Handle
 from zero.outputs import tensors_in
-from zero.runtime.backward_pass import BackwardPass
-from zero.runtime.bucket import Bucket
-from zero.runtime.gather_order import GatherOrder, Progress, UnitState
-from zero.runtime.post_backward import hook_input_gradients
-from zero.runtime.saved_params import SavedParamCheck
-from zero.runtime.secondary import PrimaryShards
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.buffers.units import UnitSpec
+from zero.runtime.gathering.backward_pass import BackwardPass
+from zero.runtime.gathering.gather_order import GatherOrder, Progress, UnitState
+from zero.runtime.gathering.post_backward import hook_input_gradients
+from zero.runtime.gathering.saved_params import SavedParamCheck
+from zero.runtime.gathering.secondary import PrimaryShards
 from zero.runtime.stages.stage3 import Stage3
-from zero.runtime.units import UnitSpec
 from zero.weak import weak_hook
 
 _FINGERPRINT_MOD = 2**31 - 1
@@ -103,7 +103,7 @@ class Unit:
 
 
 class AllGathers:
-    """Carries out the schedule's decisions (``zero.runtime.gather_order.Gathers``) with all-gathers."""
+    """Carries out the schedule's decisions (``zero.runtime.gathering.gather_order.Gathers``) with all-gathers."""
 
     def __init__(self, stage: Stage3, comm: Communicator, source: PrimaryShards):
         self.stage = stage

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from zero.runtime.bucket import Bucket
-from zero.runtime.host_threads import HostThreads
-from zero.runtime.stepper import BucketStepper
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.step.host_threads import HostThreads
+from zero.runtime.step.stepper import BucketStepper
 
 
 class DelayedStep:

@@ -3,7 +3,7 @@ partitioning (``communication.hierarchy="hpz"``), in backward, the secondary cop
 
 ``ParamGatherer`` asks its source for each bucket's gather (:meth:`unshard`) and tells it when one has completed
 (:meth:`gathered`). Whether a gather reads the copies is the schedule's decision (``from_copies``:
-``zero.runtime.gather_order.GatherOrder``, shared with the estimator's count of those gathers).
+``zero.runtime.gathering.gather_order.GatherOrder``, shared with the estimator's count of those gathers).
 
 Note: a secondary copy is this rank's chunk of the parameters *within its group* (``P / g`` elements of a bucket of
 ``P``, ``g`` ranks a group), cut from the whole ``param_buffer`` as each primary gather completes, so it holds what
@@ -17,7 +17,7 @@ hpZ; a copy is never read stale.
 from __future__ import annotations
 
 from zero.comm.communicator import Communicator, Handle
-from zero.runtime.bucket import Bucket
+from zero.runtime.buffers.bucket import Bucket
 
 
 class PrimaryShards:

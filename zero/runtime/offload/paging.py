@@ -5,8 +5,8 @@ Every pass over the buckets' optimizer side (making the optimizer's gradients, c
 :class:`Resident` (memory placements) that is all. Under :class:`DiskPaging` at most ``buffer_count`` buckets are
 mapped at a time: each one is read ahead (its master, gradient shard, stage-3 parameter shard and optimizer state)
 ``buffer_count - 1`` buckets before it is used, and written back and dropped from memory as soon as it has been
-(``zero.runtime.disk``). So reads of the next buckets, the current bucket's work and the write-back of the previous
-ones overlap, and host memory holds a window of buckets, not the model.
+(``zero.runtime.offload.disk``). So reads of the next buckets, the current bucket's work and the write-back of the
+previous ones overlap, and host memory holds a window of buckets, not the model.
 
 The wrapped optimizer's per-element state (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``)
 lives in the file too: :class:`DiskState` preallocates a region per bucket and key, learned by stepping a
@@ -22,10 +22,10 @@ from typing import Iterator
 
 import torch
 
-from zero.runtime.bucket import Bucket, LocalPiece
-from zero.runtime.disk import OffloadFile
-from zero.runtime.flat_buffer import FlatBuffer
-from zero.runtime.placement import Placement
+from zero.runtime.buffers.bucket import Bucket, LocalPiece
+from zero.runtime.buffers.flat_buffer import FlatBuffer
+from zero.runtime.buffers.placement import Placement
+from zero.runtime.offload.disk import OffloadFile
 
 
 class Resident:

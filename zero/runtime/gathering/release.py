@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from zero.comm.communicator import Communicator
-from zero.runtime.bucket import Bucket
-from zero.runtime.placement import HOST
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.buffers.placement import HOST
 
 
 class ModelRelease:

@@ -1,4 +1,4 @@
-"""The order of gradient reductions, one object shared by the reducer (``zero.runtime.reducer``) and the
+"""The order of gradient reductions, one object shared by the reducer (``zero.runtime.reduction.reducer``) and the
 estimator's replay of a step (``zero.estimator.schedule``), so that what is priced is what runs.
 
 Buckets are launched strictly in bucket order, each once all of its gradients are in; at most ``max_in_flight``

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.runtime.sharded_param import METADATA, cast_after_wrapping, convert_or_refuse, is_conversion, name_of
+from zero.runtime.buffers.sharded_param import METADATA, cast_after_wrapping, convert_or_refuse, is_conversion, name_of
 
 _ZEROING = frozenset({"zero_", "_foreach_zero_"})
 _HARMLESS = frozenset({"detach_", "requires_grad_"})  # what zero_grad(set_to_none=False) calls first

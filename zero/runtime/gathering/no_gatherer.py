@@ -1,5 +1,5 @@
 """Stages 0-2's gatherer: parameters are always whole, so there is nothing to gather, release or compare (the
-null object standing in for ``zero.runtime.gatherer.ParamGatherer``)."""
+null object standing in for ``zero.runtime.gathering.gatherer.ParamGatherer``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Iterable
 
 from torch import nn
 
-from zero.runtime.bucket import Bucket
-from zero.runtime.gatherer import Unit
+from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.gathering.gatherer import Unit
 
 
 class NoGatherer:

@@ -1,6 +1,6 @@
-"""Stage 3's gathering schedule, one object shared by the gatherer (``zero.runtime.gatherer``) and the estimator's
-replay of a traced step (``zero.estimator.gathering``), so that what is priced is what runs (as
-``zero.runtime.reduction_order`` is for reductions).
+"""Stage 3's gathering schedule, one object shared by the gatherer (``zero.runtime.gathering.gatherer``) and the
+estimator's replay of a traced step (``zero.estimator.gathering``), so that what is priced is what runs (as
+``zero.runtime.reduction.reduction_order`` is for reductions).
 
 :class:`GatherOrder` is told what happens (a unit's forward starts or ends, backward reaches it, its inputs'
 gradients are computed, a parameter's gradient arrives, backward ends, the step) and decides which unit is gathered,
@@ -23,7 +23,7 @@ waited for or released; it keeps each unit's progress and runs no collective. It
   gathered until the step (:meth:`GatherOrder.release_all`);
 * hpZ's secondary copies: a unit's copy is *current* once a gather of it has completed, until every unit is released
   or its shards are written (:meth:`GatherOrder.forget`); a gather that backward issues (not an exact one) for a
-  unit whose copy is current reads the copies (``zero.runtime.secondary``).
+  unit whose copy is current reads the copies (``zero.runtime.gathering.secondary``).
 
 Every forward pass's units are compared with the first pass's (with a root unit): the first position where they
 differ is reported once (:meth:`Gathers.diverged`).

@@ -1,0 +1,6 @@
+"""Gradient reduction: the hooks that reduce each bucket's gradients once complete, overlapped with backward, with
+at most ``max_in_flight_buckets`` outstanding (``reducer``), in the order ``reduction_order`` decides (the estimator
+drives the same object).
+
+May import: ``torch``, the policies, ``zero.comm``, ``zero.weak``, :mod:`zero.runtime.buffers`,
+:mod:`zero.runtime.stages`, :mod:`zero.runtime.gathering`, :mod:`zero.runtime.step` (the loss scaler)."""
