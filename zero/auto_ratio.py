@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.estimator import Workload, estimate
 from zero.estimator.partial_offload import least_offload, offload_boundaries
@@ -58,15 +58,22 @@ def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimiz
         if example is not None:
             raise ValueError("example= is used only by offload.ratio='auto'; remove it, or set the ratio to 'auto'")
         return config
-    world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    ratio = auto_ratio(config, optimizer, model, example, world_size, _device(model, device))
-    return config.model_copy(update={"offload": config.offload.model_copy(update={"ratio": ratio})})
+    comm = Communicator(process_group, config.timeout_s, device=_device(model, device))
+    say = comm.rank == 0
+    # every rank prices its own budget; the most offload any rank needs is taken everywhere (the buckets' placements,
+    # hence their step order, must agree), and an error on one rank is raised on all
+    ratios = comm.everywhere(lambda: auto_ratio(config, optimizer, model, example, comm.world_size, comm.device, say),
+                             "choosing offload.ratio='auto'", share=True)
+    if say and len(set(ratios)) > 1:
+        _say(f"offload.ratio='auto': the ranks' budgets differ (ratios {sorted(set(ratios))}); every rank takes "
+             f"{max(ratios):.4g}")
+    return config.model_copy(update={"offload": config.offload.model_copy(update={"ratio": max(ratios)})})
 
 
 def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module, example: StepExample | None,
-               world_size: int, device: torch.device) -> float:
-    """The smallest ``offload.ratio`` whose estimated peak fits the budget (see the module docstring); says which,
-    and why, on rank 0's stderr."""
+               world_size: int, device: torch.device, say: bool = True) -> float:
+    """The smallest ``offload.ratio`` whose estimated peak fits this rank's budget (see the module docstring); with
+    ``say``, says which and why on stderr."""
     if example is None:
         raise ValueError(
             "offload.ratio='auto' prices the step with the estimator, which needs the loss and one micro-batch: pass "
@@ -81,7 +88,8 @@ def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.M
     workload = Workload(build=lambda: _fake_copy(model, device), loss=example.loss, batch=lambda micro: example.batch,
                         optimizer=lambda params: same_kind(optimizer, params))
     checkpointing = config.activation_checkpointing if config.activation_checkpointing is not None else False
-    _say(f"offload.ratio='auto': pricing one step at each ratio (budget {format_bytes(budget)})")
+    if say:
+        _say(f"offload.ratio='auto': pricing one step at each ratio (budget {format_bytes(budget)})")
 
     def priced(ratio: float) -> Any:
         return estimate(workload, stage=config.stage, world_size=world_size, micro_batch=1, precision=precision,
@@ -99,7 +107,8 @@ def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.M
             "more ranks (see `zero estimate --gpu-memory`)")
     layout = workload.layout(config.stage, full.group_size, precision, config.bucket_size_mb)
     chosen = least_offload(priced, offload_boundaries(layout), full, budget)
-    _say(f"offload.ratio='auto' -> {chosen.offload_ratio:.4g}: estimated peak {format_bytes(chosen.peak)} of the "
+    if say:
+        _say(f"offload.ratio='auto' -> {chosen.offload_ratio:.4g}: estimated peak {format_bytes(chosen.peak)} of the "
          f"budget {format_bytes(budget)} (less offload would not fit; full offload: {format_bytes(full.peak)})")
     return chosen.offload_ratio
 
@@ -114,11 +123,11 @@ def _device_memory(config: ZeroConfig, device: torch.device) -> float:
     return free + torch.cuda.memory_reserved(device)
 
 
-def _device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+def _device(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
+    """The device the model trains on, as ``zero.runtime.build`` finds it (``None``: the backend's)."""
     if device is not None:
         return torch.device(device)
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
+    return next((p.device for p in model.parameters() if not p.is_meta), None)
 
 
 def _fake_copy(model: nn.Module, device: torch.device) -> nn.Module:
@@ -133,5 +142,4 @@ def _fake_copy(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _say(text: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"zero: {text}", file=sys.stderr, flush=True)
+    print(f"zero: {text}", file=sys.stderr, flush=True)

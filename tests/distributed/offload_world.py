@@ -11,7 +11,8 @@ import torch
 from tests.readouts import flat_params, master_weights
 from tests.recipes import DelayedRecipe
 from tests.toy import Net, batch
-from zero import ZeroOptimizer
+from zero import StepExample, ZeroOptimizer
+from zero.estimator import Workload, estimate
 from zero.memory import storage_bytes
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
@@ -27,6 +28,29 @@ def run(rank: int, world_size: int, stage: int, offload: dict, precision: dict) 
         torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, fused=True), model, stage=stage,
         offload=offload, precision=precision, bucket_size_mb=1e-4,
     )
+    return _train(opt, model, rank, world_size)
+
+
+def run_auto(rank: int, world_size: int) -> dict:
+    """``offload.ratio="auto"`` at stage 2 with a budget that differs by rank (rank 0's between the resident and the
+    fully offloaded peaks, the others' just above full offload's): the ratio every rank takes, and the masters after
+    training against no offload."""
+    example = StepExample(loss=lambda m, x: m(x), batch=(local_slice(batch(0), rank, world_size),))
+    workload = Workload(Net, example.loss, lambda micro: example.batch)
+    kw = dict(stage=2, world_size=world_size, micro_batch=1, bucket_size_mb=1e-4)
+    none, full = estimate(workload, **kw).peak, estimate(workload, offload="cpu", **kw).peak
+    budget = (none + full) / 2 if rank == 0 else full * 1.01
+    model = Net()
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, fused=True), model, stage=2,
+                        offload={"optimizer": "cpu", "ratio": "auto", "gpu_memory": budget / 0.9},
+                        bucket_size_mb=1e-4, example=example)
+    alone = estimate(workload, offload="cpu", offload_ratio=opt.config.offload.ratio, **kw).peak
+    return {"ratio": opt.config.offload.ratio, "fits": alone <= budget, "got": _train(opt, model, rank, world_size),
+            "expected": run(rank, world_size, 2, {}, {})}
+
+
+def _train(opt: ZeroOptimizer, model: Net, rank: int, world_size: int) -> torch.Tensor:
+    """Four steps of two micro-batches (the first under ``no_sync``), clipping; this rank's view of the masters."""
     for step in range(4):
         with opt.no_sync():
             opt.backward(model(local_slice(batch(step), rank, world_size)) / 2)
@@ -109,4 +133,5 @@ def offload_checks(rank: int, world_size: int) -> dict:
         "disk_left": left,
         "memory": {(stage, what): split_memory(rank, world_size, stage, what) for stage, what in CASES},
         "delayed": {stage: run_delayed(rank, world_size, stage) for stage in (2, 3)},
+        "auto": run_auto(rank, world_size),
     }

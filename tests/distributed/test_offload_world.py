@@ -65,3 +65,17 @@ def test_delayed_step_is_the_delayed_update_at_every_world_size(world, stage):
         got, recipe = result["offload"]["delayed"][stage]
         # fp32 sums over ranks in another order than the reference's, as in the other parity tests
         torch.testing.assert_close(got, recipe, rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def test_auto_ratio_agrees_across_ranks_and_trains_like_no_offload(world):
+    """offload.ratio="auto" with budgets that differ by rank: every rank takes the most offload any rank needs (the
+    buckets' placements, and so their step order, agree), which fits each rank's budget, and trains as no offload."""
+    size, results = world
+    ratios = {result["offload"]["auto"]["ratio"] for result in results}
+    assert len(ratios) == 1, ratios
+    for rank, result in enumerate(results):
+        auto = result["offload"]["auto"]
+        assert auto["fits"], f"rank {rank}"
+        assert torch.equal(auto["got"], auto["expected"]), f"rank {rank}"
+    if size > 1:  # rank 0's budget alone would keep part of the optimizer side on the device; the others' would not
+        assert ratios.pop() > 0.5
