@@ -9,7 +9,9 @@ loss and one micro-batch, which the constructor does not otherwise have: :class:
 The budget is ``offload.gpu_memory`` if given, else what the device can give this process when the optimizer is
 built (``torch.cuda.mem_get_info()``'s free bytes plus what torch's caching allocator already holds, the model's
 parameters included, since the estimate counts them), times a headroom of 0.9 (as ``zero.estimator.plan``: the rest
-is the allocator's fragmentation and what the estimate does not see, such as library workspaces).
+is the allocator's fragmentation and what the estimate does not see, such as library workspaces). Each rank prices
+its own budget and every rank takes the largest ratio any of them needs: the buckets' placements, and so the order in
+which they step and share their parameters, must be the same on every rank.
 """
 
 from __future__ import annotations
