@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
+import zero  # noqa: E402
 from tests.distributed.integrations_world import gpt2  # noqa: E402
 from tests.toy import FreshTensors, batch  # noqa: E402
 from zero import ZeroConfig, ZeroOptimizer  # noqa: E402
@@ -110,3 +111,16 @@ def test_trainer_trains_a_model_that_makes_fp32_tensors_inside_forward_under_bf1
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert trainer.zero_optimizer.runtime.config.precision.param_dtype == "bf16"
+
+
+def test_trainer_passes_the_example_of_an_automatic_offload_ratio(tmp_path):
+    """``offload.ratio="auto"`` through the Trainer: ``zero_example`` reaches the optimizer, which prices the step (a
+    budget everything fits: nothing offloaded); without it the error names what to pass."""
+    model = gpt2()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    example = zero.StepExample(loss=lambda m, inputs: m(**inputs).loss, batch=({"input_ids": ids, "labels": ids},))
+    auto = ZeroConfig(stage=2, offload={"optimizer": "cpu", "ratio": "auto", "gpu_memory": 2**40})
+    opt = ZeroTrainer(model=model, args=_args(tmp_path), zero_config=auto, zero_example=example).create_optimizer()
+    assert opt.config.offload.ratio == 0.0
+    with pytest.raises(ValueError, match="needs the loss and one micro-batch"):
+        ZeroTrainer(model=gpt2(), args=_args(tmp_path), zero_config=auto).create_optimizer()

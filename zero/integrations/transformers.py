@@ -8,6 +8,10 @@
     trainer.save_model("out")                         # model.safetensors + config: from_pretrained("out")
     trainer.train(resume_from_checkpoint=True)        # at any world size and stage
 
+With ``offload={"optimizer": "cpu", "ratio": "auto"}`` pass ``zero_example=zero.StepExample(loss=lambda model, inputs:
+model(**inputs).loss, batch=(one_collated_micro_batch,))``: the Trainer's own batches are not drawn for it (that would
+move its data order).
+
 The Trainer builds its optimizer as usual (``TrainingArguments``' ``optim``, learning rate, weight
 decay groups; or ``optimizers=(torch_optimizer, None)``) and this class wraps it in
 ``ZeroOptimizer``; the LR scheduler is built on the wrapped optimizer, so schedules act on the
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from zero.auto_ratio import StepExample
 from zero.checkpoint.consolidate import consolidate
 from zero.checkpoint.portable import load_checkpoint, save_checkpoint
 from zero.config import ZeroConfig
@@ -54,9 +59,11 @@ class ZeroTrainer(Trainer):
     """A ``transformers.Trainer`` whose optimizer is a ``ZeroOptimizer`` built from ``zero_config`` (see the module
     docstring; every other argument is the Trainer's)."""
 
-    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, zero_example: StepExample | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.zero_config = zero_config or ZeroConfig()
+        self.zero_example = zero_example  # offload.ratio='auto': the loss and one micro-batch (zero.StepExample)
         self.zero_optimizer: ZeroOptimizer | None = None
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
@@ -80,7 +87,7 @@ class ZeroTrainer(Trainer):
                     "ZeroOptimizer"
                 )
             wrapped = (plain if isinstance(plain, ZeroOptimizer)
-                       else ZeroOptimizer(plain, self.model, config=self.zero_config))
+                       else ZeroOptimizer(plain, self.model, config=self.zero_config, example=self.zero_example))
             if wrapped.module is not self.model:
                 raise ValueError("the ZeroOptimizer passed in optimizers= wraps another model than the Trainer's")
             self.zero_optimizer = self.optimizer = wrapped
