@@ -27,12 +27,11 @@ from torch import nn
 from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.estimator import Workload, estimate
+from zero.estimator.estimator import HEADROOM
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.workload import POLICIES
 from zero.runtime.step.inner import same_kind
 from zero.sizes import format_bytes
-
-HEADROOM = 0.9
 
 
 @dataclass(frozen=True)

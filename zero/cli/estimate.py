@@ -13,7 +13,7 @@ from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
 from zero.config import ZeroConfig
 from zero.estimator import sources
-from zero.estimator.estimator import Estimate, plan
+from zero.estimator.estimator import HEADROOM, Estimate, plan
 from zero.estimator.offloading import BUFFER_COUNTS, DISK_PATH, OffloadChoice
 from zero.estimator.traffic import Traffic, validated
 from zero.estimator.workload import POLICIES, Workload
@@ -157,10 +157,10 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
                   precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress,
                   host_memory=args.host_memory, buffer_count=args.buffer_count, communication=policy)
-    budget = 0.9 * args.gpu_memory
+    budget = HEADROOM * args.gpu_memory
     host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
     print(f"\nper-rank peak, {args.precision} precision, {_ranks(args)}{_quantized(args)}, "
-          f"budget {format_bytes(budget)} (90% of {format_bytes(args.gpu_memory)}){host}")
+          f"budget {format_bytes(budget)} ({HEADROOM:.0%} of {format_bytes(args.gpu_memory)}){host}")
     shown = result.fits[: args.show]
     if shown:
         print(f"\nfits, best first ({len(result.fits)}):")

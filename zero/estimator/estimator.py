@@ -55,6 +55,8 @@ from zero.precision import DTYPES, MixedPrecision
 from zero.runtime.buffers.units import plan_units
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
+HEADROOM = 0.9  # the share of the device a plan fills; the rest is the allocator's and the CUDA context's
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -318,7 +320,7 @@ def plan(
     world_size: int,
     micro_batches: list[int],
     precision: str = "fp32",
-    headroom: float = 0.9,
+    headroom: float = HEADROOM,
     no_sync: bool = False,
     progress: Callable[[str], None] | None = None,
     host_memory: float | None = None,
