@@ -30,6 +30,7 @@ from zero.estimator import Workload, estimate
 from zero.estimator.estimator import HEADROOM
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.workload import POLICIES
+from zero.runtime.build import model_device
 from zero.runtime.step.inner import same_kind
 from zero.sizes import format_bytes
 
@@ -59,7 +60,7 @@ def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimiz
         if example is not None:
             raise ValueError("example= is used only by offload.ratio='auto'; remove it, or set the ratio to 'auto'")
         return config
-    comm = Communicator(process_group, config.timeout_s, device=_device(model, device))
+    comm = Communicator(process_group, config.timeout_s, device=model_device(model, device))
     say = comm.rank == 0
     # every rank prices its own budget; the most offload any rank needs is taken everywhere (the buckets' placements,
     # hence their step order, must agree), and an error on one rank is raised on all
@@ -122,13 +123,6 @@ def _device_memory(config: ZeroConfig, device: torch.device) -> float:
                          "device may hold); it is measured only on CUDA")
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device)
-
-
-def _device(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
-    """The device the model trains on, as ``zero.runtime.build`` finds it (``None``: the backend's)."""
-    if device is not None:
-        return torch.device(device)
-    return next((p.device for p in model.parameters() if not p.is_meta), None)
 
 
 def _fake_copy(model: nn.Module, device: torch.device) -> nn.Module:

@@ -68,7 +68,7 @@ def build_runtime(
     check_optimizer(optimizer)
     check_not_ddp(model)
     world = Communicator(
-        process_group, config.timeout_s, device=_model_device(model, device), force_collectives=config.force_collectives
+        process_group, config.timeout_s, device=model_device(model, device), force_collectives=config.force_collectives
     )
     comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
     for communicator in (comm, *comm.levels.values()):
@@ -155,7 +155,7 @@ def _host_threads(config: ZeroConfig, comm: Communicator) -> int | None:
     return host_step_threads(config.offload.host_threads, local_ranks)
 
 
-def _model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
+def model_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device | None:
     """The device the model's parameters live on (the communicator's): ``device`` if given, else that of
     the first parameter not on ``meta``; ``None`` lets the communicator choose (the backend's device)."""
     if device is not None:
