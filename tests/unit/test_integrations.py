@@ -113,9 +113,10 @@ def test_trainer_trains_a_model_that_makes_fp32_tensors_inside_forward_under_bf1
     assert trainer.zero_optimizer.runtime.config.precision.param_dtype == "bf16"
 
 
-def test_trainer_passes_the_example_of_an_automatic_offload_ratio(tmp_path):
-    """``offload.ratio="auto"`` through the Trainer: ``zero_example`` reaches the optimizer, which prices the step (a
-    budget everything fits: nothing offloaded); without it the error names what to pass."""
+def test_trainer_and_accelerate_pass_the_example_of_an_automatic_offload_ratio(tmp_path):
+    """``offload.ratio="auto"`` through the Trainer (``zero_example``) and Accelerate's ``prepare`` (``example``): it
+    reaches the optimizer, which prices the step (a budget everything fits: nothing offloaded); without it the error
+    names what to pass."""
     model = gpt2()
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     example = zero.StepExample(loss=lambda m, inputs: m(**inputs).loss, batch=({"input_ids": ids, "labels": ids},))
@@ -124,3 +125,9 @@ def test_trainer_passes_the_example_of_an_automatic_offload_ratio(tmp_path):
     assert opt.config.offload.ratio == 0.0
     with pytest.raises(ValueError, match="needs the loss and one micro-batch"):
         ZeroTrainer(model=gpt2(), args=_args(tmp_path), zero_config=auto).create_optimizer()
+    accelerate.state.AcceleratorState._reset_state(True)
+    model = gpt2()
+    _, prepared = zacc.prepare(accelerate.Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()),
+                               config=auto, example=example)
+    assert prepared.optimizer.config.offload.ratio == 0.0
+    accelerate.state.AcceleratorState._reset_state(True)
