@@ -2,10 +2,12 @@
 
 The chosen blocks keep only their inputs from forward; backward recomputes each block's forward when it
 needs the block's saved tensors. It is torch's non-reentrant checkpointing applied through module
-hooks (``torch.distributed._composable.checkpoint``, the API FSDP2 composes with), so parameter names and
-``state_dict`` keys are unchanged, and a recomputation calls the module again: stage 3 gathers the
-unit's parameters for it through its usual hooks and backward releases them. The RNG state is restored
-for the recomputation, so dropout draws the same mask and checkpointing changes no number.
+hooks (:class:`CheckpointHooks`, as ``torch.distributed._composable.checkpoint``, the API FSDP2 composes with,
+applies it), so parameter names and ``state_dict`` keys are unchanged, and a recomputation calls the module
+again: stage 3 gathers the unit's parameters for it through its usual hooks and backward releases them. The RNG
+state is restored for the recomputation, so dropout draws the same mask and checkpointing changes no number.
+Every backward pass through a block recomputes it (a second backward through a retained graph, a gradient
+penalty's double backward).
 
 Policies (:class:`ActivationCheckpointing`): the blocks are the modules of the named classes (``classes``),
 or those named (``modules``), or by default every module held in an ``nn.ModuleList`` (stage 3's default
@@ -18,12 +20,15 @@ checkpointed block's input in host memory (pinned with a GPU) until the recomput
 
 from __future__ import annotations
 
+import inspect
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from torch import nn
+from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -65,8 +70,6 @@ class Checkpointed:
 def checkpoint_activations(model: nn.Module, policy: ActivationCheckpointing | dict | None = None) -> Checkpointed:
     """Checkpoint the blocks of ``model`` that ``policy`` chooses. Call it once, before the first forward
     (``ZeroConfig.activation_checkpointing`` does it when the optimizer is built)."""
-    from torch.distributed._composable import checkpoint
-
     if not isinstance(policy, ActivationCheckpointing):
         policy = ActivationCheckpointing(**(policy or {}))
     names = chosen_blocks(model, policy)
@@ -74,14 +77,75 @@ def checkpoint_activations(model: nn.Module, policy: ActivationCheckpointing | d
     offload = InputOffload() if policy.offload_inputs else None
     for name in names:
         module = modules[name]
-        if checkpoint.state(module) is not None:
+        if CheckpointHooks.of(module) is not None:
             raise ValueError(f"module {name!r} is checkpointed already; call checkpoint_activations once")
-        if offload is not None:
-            module.register_forward_pre_hook(offload.to_host, prepend=True, with_kwargs=True)
-        checkpoint(module, context_fn=_selective_contexts if policy.selective else None)
+        CheckpointHooks(module, _selective_contexts if policy.selective else None, offload)
         if offload is not None:
             module.register_forward_pre_hook(offload.to_device, with_kwargs=True)
     return Checkpointed(names, offload)
+
+
+class CheckpointHooks:
+    """Non-reentrant activation checkpointing of one module through its forward hooks, as torch's composable
+    ``checkpoint`` applies it, with a recomputation that can run again: torch's composable API enters a one-use
+    context on each recomputation, so a second backward pass through the block (``retain_graph=True``, a gradient
+    penalty) fails inside torch. ``offload``: its inputs kept in host memory."""
+
+    def __init__(self, module: nn.Module, context_fn: Callable | None, offload: "InputOffload | None") -> None:
+        self.context_fn = context_fn
+        self.enabled = True  # False while backward recomputes the forward (the hooks stand aside)
+        self._forward = None  # the running forward's checkpointing (a generator: entered, then finished)
+        if offload is not None:
+            module.register_forward_pre_hook(lambda m, args, kwargs: offload.to_host(m, self, args, kwargs),
+                                             prepend=True, with_kwargs=True)
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=True, always_call=True)
+
+    @staticmethod
+    def of(module: nn.Module) -> "CheckpointHooks | None":
+        """The module's checkpointing, if it has one."""
+        owners = (getattr(hook, "__self__", None) for hook in module._forward_pre_hooks.values())
+        return next((owner for owner in owners if isinstance(owner, CheckpointHooks)), None)
+
+    def _contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
+        forward, recompute = self.context_fn() if self.context_fn is not None else (nullcontext(), nullcontext())
+        return forward, _Recomputing(self, recompute)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.enabled:
+            self._forward = _checkpoint_without_reentrant_generator(module, *_checkpoint_options(self._contexts),
+                                                                    *args, **kwargs)
+            next(self._forward)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        forward, self._forward = self._forward, None
+        if self.enabled and forward is not None:
+            next(forward, None)  # (the generator ends: checkpointing of this forward is set up)
+
+
+class _Recomputing:
+    """While backward recomputes a block's forward: its checkpoint hooks stand aside, inside ``inner`` (selective
+    checkpointing's context). Entered once per backward pass through the block."""
+
+    def __init__(self, hooks: CheckpointHooks, inner: AbstractContextManager) -> None:
+        self.hooks, self.inner = hooks, inner
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+        self.hooks.enabled = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.hooks.enabled = True
+        self.inner.__exit__(*exc)
+
+
+def _checkpoint_options(contexts: Callable) -> tuple:
+    """The positional options of torch's ``_checkpoint_without_reentrant_generator`` before the module's arguments:
+    RNG state preserved, the contexts, the default determinism check, no debug, and (torch >= 2.5) early stop."""
+    return (True, contexts, _DEFAULT_DETERMINISM_MODE, False) + ((True,) if _HAS_EARLY_STOP else ())
+
+
+_HAS_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters
 
 
 def chosen_blocks(model: nn.Module, policy: ActivationCheckpointing) -> list[str]:
@@ -177,12 +241,10 @@ class InputOffload:
         self.bytes_offloaded = 0
         self._devices: dict[int, torch.device] = {}  # id(module) -> where its inputs came from
 
-    def to_host(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def to_host(self, module: nn.Module, hooks: CheckpointHooks, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Before checkpointing takes the inputs: copies in host memory (what it keeps for the recomputation);
         nothing when recomputing (the inputs are those copies)."""
-        from torch.distributed._composable import checkpoint
-
-        if not torch.is_grad_enabled() or not checkpoint.state(module).enable_hook:
+        if not torch.is_grad_enabled() or not hooks.enabled:
             return args, kwargs
         self._devices[id(module)] = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
 

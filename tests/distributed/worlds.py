@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.activations_world import activation_checks
+from tests.distributed.autograd_world import autograd_checks
 from tests.distributed.harness import global_mean
 from tests.distributed.inplace_world import inplace_checks
 from tests.distributed.offload_world import offload_checks
@@ -382,4 +383,5 @@ def world_checks(rank: int, world_size: int) -> dict:
         "offload": offload_checks(rank, world_size),
         "activations": activation_checks(rank, world_size),
         "inplace": inplace_checks(rank, world_size),
+        "autograd": autograd_checks(rank, world_size),
     }

@@ -207,6 +207,24 @@ def test_bad_input():
         estimate(not_a_loss, stage=1, world_size=2, micro_batch=2)
 
 
+def test_a_loss_with_a_backward_of_its_own_is_refused_by_name():
+    """A gradient penalty (``torch.autograd.grad(..., create_graph=True)`` inside the loss: double backward) is not
+    priced (issue 41): the estimate says so rather than leave out the graph the penalty builds."""
+
+    def penalized(model, x):
+        x = x.requires_grad_(True)
+        out = model(x)
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        return out + g.square().sum()
+
+    workload = Workload(InplaceNet, penalized, lambda n: (torch.randn(n, 6),))
+    for stage in (0, 3):
+        with pytest.raises(ValueError, match="runs a backward pass of its own .* gradient penalty, double backward"):
+            estimate(workload, stage=stage, world_size=2, micro_batch=2)
+    plain = Workload(InplaceNet, lambda m, x: m(x), lambda n: (torch.randn(n, 6),))
+    assert estimate(plain, stage=3, world_size=2, micro_batch=2).peak > 0
+
+
 @pytest.mark.parametrize("stage", range(4))
 def test_models_with_in_place_operations_are_estimated(stage):
     """torchvision's ResNet layout (``ReLU(inplace=True)``, ``out += identity``) and blocks that modify their input in

@@ -151,6 +151,33 @@ def test_a_unit_called_twice_is_released_once_both_calls_backward_is_over():
     assert log.take() == [("copies", "b"), ("wait", "b"), ("release", "b"), ("release", "a")]
 
 
+def test_a_backward_pass_that_builds_a_graph_releases_nothing_until_the_backward_through_that_graph_ends():
+    """A gradient penalty (issue 41): ``torch.autograd.grad(out, x, create_graph=True)`` records a graph that reads
+    every unit it passed through; the backward through the penalty reads them again, so they stay gathered (in
+    forward too) until a pass that builds no graph ends, or the step."""
+    order, log = _schedule(prefetch=0)
+    _forward(order)
+    log.take()
+    for unit in ("b", "a"):  # autograd.grad with respect to the input: no parameter gradient arrives
+        order.pre_backward(unit, builds_graph=True)
+        order.inputs_done(unit)
+    order.pre_backward("", builds_graph=True)
+    order.end_backward()
+    assert log.take() == [("copies", "a"), ("wait", "a")]  # a, released after forward, is gathered again ...
+    assert all(order.state(u) is UnitState.GATHERED for u in ("", "a", "b"))  # ... and nothing is released
+    _forward(order)  # a forward in between keeps them too
+    assert log.take() == []
+    _backward(order)  # the backward through the penalty (builds no graph) releases all but the root at its end
+    assert log.take() == [("release", "a"), ("release", "b")] and order.state("") is UnitState.GATHERED
+    _forward(order)
+    log.take()
+    for unit in ("b", "a"):
+        order.pre_backward(unit, builds_graph=True)
+    assert log.take() == [("copies", "a"), ("wait", "a")]
+    order.release_all()  # the step releases what a graph-building pass held
+    assert log.take() == [("release", ""), ("release", "a"), ("release", "b")]
+
+
 def test_a_gather_of_written_shards_or_an_exact_one_never_reads_the_copies():
     order, log = _schedule(prefetch=0)
     order.wait("a", backward=False)

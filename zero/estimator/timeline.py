@@ -239,6 +239,15 @@ def _unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
 
 
+NO_BACKWARD_IN_LOSS = (
+    "the loss function runs a backward pass of its own (torch.autograd.grad inside it: a gradient penalty, double "
+    "backward), which the estimator does not price: the graph that pass builds, and the parameters stage 3 then "
+    "keeps gathered until the backward through it, are not in its trace. Estimate the step without the penalty "
+    "(the estimate is then low by those bytes: at stage 3 up to every unit gathered at once), or measure the step "
+    "with zero.profile."
+)
+
+
 def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Timeline:
     """Run ``loss_fn(model, *batch).backward()`` (all fake) under a :class:`Recorder`."""
     recorder = Recorder(model, existing=batch)
@@ -253,6 +262,8 @@ def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: t
                 )
             if loss.grad_fn is None:
                 raise ValueError("the loss has no gradient (no parameter requires grad, or it was detached)")
+            if any(point.phase == "backward" for point in recorder.points):
+                raise ValueError(NO_BACKWARD_IN_LOSS)
             loss.backward()
             del loss
             recorder.point("op", "<end of backward>")

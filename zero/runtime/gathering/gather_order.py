@@ -21,6 +21,9 @@ waited for or released; it keeps each unit's progress and runs no collective. It
   gradient arrived: released (not the root);
 * the end of backward: every unit but the root is released (and everything's progress forgotten); the root stays
   gathered until the step (:meth:`GatherOrder.release_all`);
+* a backward pass that builds a graph (``create_graph=True``: a gradient penalty, double backward): the graph it
+  builds reads the parameters of every unit it passes through, so from its first unit on nothing is released, in
+  forward or backward, until a backward pass that builds no graph (the one through the penalty) ends, or the step;
 * hpZ's secondary copies: a unit's copy is *current* once a gather of it has completed, until every unit is released
   or its shards are written (:meth:`GatherOrder.forget`); a gather that backward issues (not an exact one) for a
   unit whose copy is current reads the copies (``zero.runtime.gathering.secondary``).
@@ -100,6 +103,8 @@ class GatherOrder(Generic[U]):
         self.backward_order: list[U] = []
         self.previous_backward: list[U] = []
         self.current: set[U] = set()  # units whose secondary copy is current (hpZ)
+        self.held = False  # a backward pass built a graph that reads gathered parameters: release nothing
+        self.building = False  # the backward pass running builds a graph
 
     # ----- gather, wait, release ----------------------------------------------------------------------
 
@@ -125,7 +130,7 @@ class GatherOrder(Generic[U]):
 
     def release(self, unit: U) -> None:
         progress = self.progress[unit]
-        if progress.state is UnitState.SHARDED:
+        if progress.state is UnitState.SHARDED or self.held:
             return
         self.wait(unit, backward=False)  # never release a buffer a collective is still writing
         self.gathers.release(unit)
@@ -139,6 +144,7 @@ class GatherOrder(Generic[U]):
         """Release every unit (but ``keep``) and forget any pass in progress (the step, the end of backward, a pass
         interrupted by an error); no copy stays current but those gathered again now (a gather in flight)."""
         keep = list(keep)
+        self.held = self.building = False
         self.depth = 0
         self.finished = None
         self.current.clear()
@@ -221,8 +227,11 @@ class GatherOrder(Generic[U]):
 
     # ----- backward -----------------------------------------------------------------------------------
 
-    def pre_backward(self, unit: U) -> None:
-        """Backward reaches ``unit`` (the gradient of one of its forward's outputs)."""
+    def pre_backward(self, unit: U, *, builds_graph: bool = False) -> None:
+        """Backward reaches ``unit`` (the gradient of one of its forward's outputs); ``builds_graph``: the pass
+        records a graph of its own (``create_graph=True``), which reads the unit's parameters later."""
+        if builds_graph:
+            self.held = self.building = True
         progress = self.progress[unit]
         if progress.in_backward:
             return
@@ -253,9 +262,15 @@ class GatherOrder(Generic[U]):
     def end_backward(self) -> None:
         """Release every unit but the root, which stays gathered until the step: a second backward pass through a
         retained graph, or a loss term built from root parameters after forward (an L2 penalty on the embeddings),
-        reads them again, and the next forward (accumulation) needs it first."""
-        self.release_all(keep=[u for u in self.units if self.progress[u].is_root
-                               and self.progress[u].state is not UnitState.SHARDED])
+        reads them again, and the next forward (accumulation) needs it first. A pass that built a graph releases
+        nothing: the backward through that graph reads every unit it gathered."""
+        if self.building:
+            self.building = False
+            for progress in self.progress.values():
+                progress.forget()
+        else:
+            self.release_all(keep=[u for u in self.units if self.progress[u].is_root
+                                   and self.progress[u].state is not UnitState.SHARDED])
         self.previous_backward, self.backward_order = self.backward_order, []
 
     def backward_interrupted(self) -> None:

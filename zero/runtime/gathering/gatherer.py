@@ -47,8 +47,10 @@ forward or backward interrupted by an error leaves no stale state: the next pass
 A unit whose output is an object this module cannot look into (neither tensors nor
 tuples, lists, dicts or dataclasses of them) stays gathered until its backward ends.
 
-Not supported at stage 3: double backward (``create_graph=True``), whose second pass needs
-parameters the first one already released.
+A backward pass with ``create_graph=True`` (a gradient penalty: ``torch.autograd.grad(out, x,
+create_graph=True)``, then a backward through the penalty) records a graph that reads the parameters
+of every unit it passes through: the schedule then releases nothing until the backward pass through
+that graph ends (or the step), so the units it gathered stay whole in between.
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class ParamGatherer:
                 self._forget_pass()
                 self.order.backward_interrupted()
             self._pass.begin(weak_hook(self._end_backward))
-        self.order.pre_backward(unit)
+        self.order.pre_backward(unit, builds_graph=torch.is_grad_enabled())  # (autograd's grad mode: create_graph)
 
     def _inputs_done(self, index: int) -> None:
         """Autograd computed the gradients of one forward call's inputs: that call's backward is over."""

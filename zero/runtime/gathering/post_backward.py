@@ -9,6 +9,13 @@ gradient hook over the floating-point inputs that require grad
 computed the gradient of every one of them that this backward needs, that is when the module's
 backward is over. A forward whose inputs need no gradient gets no hook.
 
+Note: torch's ``register_multi_grad_hook`` (mode ``"all"``) cannot be used here: to count the
+gradients a pass will compute it asks ``torch._C._will_engine_execute_node`` about each input's
+node, which raises for a leaf that ``torch.autograd.grad`` captures (the model's input in
+``torch.autograd.grad(loss, x)``: input saliency, gradient penalties). :class:`_AllGradients`
+counts the same way, but a captured leaf counts as computed: the engine runs a tensor's hooks on
+the gradient it captures.
+
 Note: the inputs themselves are left untouched, so the forward may modify them in place
 (``F.relu(x, inplace=True)``, ``x += y``, as torchvision's blocks do). An identity autograd
 function whose outputs replaced the inputs (FSDP2's ``RegisterPostBackwardFunction``, this module's
@@ -22,6 +29,7 @@ lives as long as the leaf: the caller removes the handle once the backward pass 
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -38,4 +46,45 @@ def hook_input_gradients(args: tuple, kwargs: dict, callback: Callable[[], None]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not inputs:
         return None
-    return torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: callback(), mode="all")
+    return _AllGradients(inputs, callback)
+
+
+class _AllGradients(RemovableHandle):
+    """A gradient hook on each of ``tensors``; ``callback()`` runs once per backward pass, when the gradients of
+    all of them that the pass computes are in. Removing it removes every hook."""
+
+    def __init__(self, tensors: list[torch.Tensor], callback: Callable[[], None]):
+        self._nodes = [_node(t) for t in tensors]
+        self._pending: dict[int, int] = {}  # graph task id -> gradients still to come in that pass
+        self._lock = threading.Lock()  # (a pass's hooks may run on several device threads)
+        self._callback = callback
+        self._handles = [t.register_hook(self._on_gradient) for t in tensors]
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if task not in self._pending:  # the first of this pass: how many will come
+                self._pending[task] = sum(map(_computes_gradient, self._nodes))
+            self._pending[task] -= 1
+            done = self._pending[task] == 0
+            if done:
+                del self._pending[task]
+        if done:
+            self._callback()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _node(tensor: torch.Tensor) -> torch.autograd.graph.Node:
+    """The node that receives the tensor's gradient: its ``grad_fn``, or a leaf's gradient accumulator."""
+    return torch.autograd.graph.get_gradient_edge(tensor).node
+
+
+def _computes_gradient(node: torch.autograd.graph.Node) -> bool:
+    """Whether the running backward pass computes the gradient that ``node`` receives."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf that torch.autograd.grad captures (the only case it refuses): its hooks run
+        return True

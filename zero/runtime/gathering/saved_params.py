@@ -78,8 +78,7 @@ def _hooks(storages: dict[int, Checked], outer: tuple[Callable, Callable] | None
                 raise RuntimeError(
                     f"zero: backward needs the parameters of {packed.unit!r}, which were released (stage 3): "
                     "their values exist only as 1/N shards now. This happens with a backward pass through a "
-                    "graph after step() (run every backward before step()) or with double backward "
-                    "(create_graph=True), which stage 3 does not support."
+                    "graph after step(): run every backward before step()."
                 )
             packed = packed.packed
         return packed if outer is None else outer[1](packed)
