@@ -123,6 +123,19 @@ class ZeroConfig(BaseModel):
         "it is installed and applies, else torch. See zero.runtime.step.stepper.",
     )
 
+    elementwise_optimizers: tuple[StrictStr, ...] = Field(
+        (),
+        description="Third-party optimizer classes (names, or qualified names such as 'mylib.optim.Lion') whose "
+        "update of each element reads that element alone: stepped on flat shards like torch's SGD and AdamW. "
+        "Every other optimizer outside torch's elementwise list is stepped on whole parameters (exact for any rule).",
+    )
+    per_parameter_optimizers: tuple[StrictStr, ...] = Field(
+        (),
+        description="Third-party whole-parameter optimizer classes (names or qualified names) whose update of a "
+        "parameter reads that parameter alone (no global norm): each parameter gets its own owner, balanced over "
+        "the ranks. Other classes zero does not know are stepped with all their parameters on one rank (exact).",
+    )
+
     unit_classes: Optional[tuple[StrictStr, ...]] = Field(
         None,
         description="Stage 3: names of the module classes that each form one gathering unit, as a list (e.g. "

@@ -1,12 +1,11 @@
-"""``ZeroOptimizer``: the user-facing wrapper over any elementwise ``torch.optim`` optimizer.
-
-A thin facade: ``zero.runtime.build`` assembles the runtime (plan, buckets, hooks, step) and the methods here
-say what each operation means for the user and hand it to the runtime."""
+"""``ZeroOptimizer``, the user-facing wrapper over ``torch.optim`` optimizers: a thin facade (``zero.runtime.build``
+assembles the runtime; the methods here say what each operation means for the user and hand it to the runtime)."""
 
 from __future__ import annotations
 
+from collections import ChainMap
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,25 +31,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         opt.step()
         opt.zero_grad()
 
-    The wrapped optimizer must not have stepped yet; its class, parameter groups and
-    per-group hyperparameters are kept, and it is rebuilt over this rank's shard (its
-    ``param_groups`` are shared with this object, so LR schedulers work as usual).
-    Every stage, at every world size, computes the same update as single-process
-    training on the global batch (the mean of the per-rank mean losses): gradients are
-    averaged over ranks, and parameters that got no gradient on any rank are skipped,
-    exactly as PyTorch skips ``p.grad is None``.
+    The wrapped optimizer must not have stepped yet; its class, parameter groups and per-group hyperparameters are
+    kept, and it is rebuilt over this rank's shard (its ``param_groups`` are shared with this object, so LR
+    schedulers work as usual). Elementwise optimizers (torch's SGD, Adam, AdamW, ...) step flat shards; every other
+    one (Muon, Adafactor, LAMB, SOAP, ...) steps whole parameters, each on one rank, once per step. Several over one
+    model, ``ZeroOptimizer([muon, adamw], model)``, share one step, clip and checkpoint; their groups are
+    ``param_groups`` in that order. Every stage, at every world size, computes the same update as single-process
+    training on the global batch (the mean of the per-rank mean losses); parameters that got no gradient on any rank
+    are skipped, as PyTorch skips ``p.grad is None``.
 
-    Gradients follow PyTorch's rules whatever clears them: ``model.zero_grad()`` (both
-    modes) is the same as :meth:`zero_grad`, no clearing accumulates into the next step, and
-    several backward passes before :meth:`step` add up. At stage 0 ``p.grad`` is the whole
-    averaged gradient; at stages 1-3 no rank holds it, so ``p.grad`` is a guard
-    (:class:`zero.runtime.buffers.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
-    :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``. Changing the model's
-    dtype or device after wrapping is refused.
+    Gradients follow PyTorch's rules whatever clears them: ``model.zero_grad()`` (both modes) is the same as
+    :meth:`zero_grad`, no clearing accumulates into the next step, and several backward passes before :meth:`step`
+    add up. At stage 0 ``p.grad`` is the whole averaged gradient; at stages 1-3 no rank holds it, so ``p.grad`` is a
+    guard (:class:`zero.runtime.buffers.sharded_grad.ShardedGrad`) that refuses any use of its values: clip with
+    :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``. Changing the model's dtype or device after
+    wrapping is refused.
 
     Args:
-        optimizer: an instance of an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW,
-            Adagrad, RMSprop, ...) over parameters of ``model``.
+        optimizer: a ``torch.optim`` optimizer over parameters of ``model``, or a list of them
+            (each parameter in exactly one); see ``docs/optimizers.md``.
         model: the module being trained. Its trainable parameters become views into flat
             buffers owned by this optimizer; buffers are left alone, and so are frozen
             parameters at stages 0-2 (stage 3 shards them too, gathered with their unit).
@@ -65,7 +64,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         model: torch.nn.Module,
         *,
         config: ZeroConfig | None = None,
@@ -80,10 +79,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.config = resolve_config(config, overrides, optimizer, model, example, process_group, device)
         runtime = build_runtime(optimizer, model, self.config, process_group=process_group, init_fn=init_fn,
                                 device=device)
-        super().__init__(runtime.inner.param_groups, runtime.inner.defaults)
-        self.runtime, self.state = runtime, runtime.inner.state  # (param_groups: the same dicts as the inner's)
-        self.module, self.comm, self.partition = model, runtime.comm, runtime.partition
-        self.zero_stage, self.checkpointed = runtime.stage, runtime.checkpointed
+        inners = [inner.optimizer for inner in runtime.inners]
+        super().__init__([g for o in inners for g in o.param_groups], inners[0].defaults if len(inners) == 1 else {})
+        self.runtime, self.state = runtime, _state_of(inners)  # (param_groups: the same dicts as the inners')
+        self.module, self.comm, self.partition, self.zero_stage = model, runtime.comm, runtime.partition, runtime.stage
+        self.checkpointed = runtime.checkpointed
         watch_for_drop(self, runtime)
 
     @property
@@ -92,8 +92,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def inner(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer, rebuilt over this rank's shard."""
+        """The wrapped optimizer, rebuilt over this rank's shard (with several: :attr:`optimizers`)."""
         return self.runtime.inner
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Each wrapped optimizer, rebuilt over this rank's share: its pieces (flat) or its owned parameters."""
+        return [inner.optimizer for inner in self.runtime.inners]
 
     @property
     def loss_scaler(self) -> Any:
@@ -179,21 +184,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by :meth:`state_dict` on the same rank, world size, stage, precision and model
         (call on every rank: the parameters are then cast from the loaded master weights and shared)."""
-        masters = shard_state.load_shard_state_dict(self.runtime, state_dict)
-        self.finish_load(state_dict["optimizer"], state_dict.get("loss_scale"), masters)
+        states, masters = shard_state.load_shard_state_dict(self.runtime, state_dict)
+        self.finish_load(states, state_dict.get("loss_scale"), masters)
 
     def prepare_for_checkpoint(self) -> None:
         """Before a portable checkpoint (``zero.save_checkpoint``/``load_checkpoint``) reads or writes the shards:
         the delayed update shared, nothing gathered (stage 3), and edits made since the step in the masters."""
         self.runtime.quiesce()
 
-    def finish_load(self, inner_state: dict[str, Any], loss_scale: dict[str, Any] | None,
+    def finish_load(self, inner_state: dict[str, Any] | list[dict[str, Any]], loss_scale: dict[str, Any] | None,
                     buckets: list[Bucket] | None = None) -> None:
-        """After this rank's masters or shards were written: load the wrapped optimizer's state (a ``torch.optim``
-        state dict over this rank's pieces), then cast and share the parameters of ``buckets`` (default: every
-        trainable bucket)."""
+        """After this rank's masters or shards were written: load the wrapped optimizers' state (a ``torch.optim``
+        state dict over this rank's share, or a list, one per optimizer), then cast and share the parameters of
+        ``buckets`` (default: every trainable bucket)."""
         shard_state.finish_load(self.runtime, inner_state, loss_scale, buckets)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state  # (new group dicts)
+        self.param_groups, self.state = [g for o in self.optimizers for g in o.param_groups], _state_of(self.optimizers)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` multiplied by the fp16 loss scale (unchanged without loss scaling); backward on the result.
@@ -205,8 +210,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scale_loss(loss).backward(**kwargs)
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes this rank holds in parameters, gradients and optimizer state (unique storages; fp32 master
-        weights count as optimizer state, as in the ZeRO paper)."""
+        """Bytes this rank holds in parameters, gradients and optimizer state (unique storages; fp32 master weights
+        count as optimizer state, as in the ZeRO paper)."""
         return owned_memory.model_state_bytes(self.runtime)
 
     def named_memory(self) -> list[MemoryItem]:
@@ -214,9 +219,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return owned_memory.named_memory(self.runtime)
 
 
+def _state_of(optimizers: list[torch.optim.Optimizer]) -> Any:  # (one state: the optimizer's own dict)
+    return ChainMap(*(o.state for o in optimizers)) if len(optimizers) > 1 else optimizers[0].state
+
+
 def init_sharded(
     build_fn: Callable[[], torch.nn.Module],
-    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer | Sequence[torch.optim.Optimizer]],
     *,
     init_fn: InitFn | None = None,
     config: ZeroConfig | None = None,
@@ -226,11 +235,10 @@ def init_sharded(
 ) -> tuple[torch.nn.Module, ZeroOptimizer]:
     """Build a model without ever holding it whole: on ``meta``, then stage-3 shards only.
 
-    ``build_fn()`` runs under ``torch.device("meta")``; ``make_optimizer(model)`` builds the
-    optimizer over its parameters; each rank then initializes its shards one module at a time
-    with the model's own ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.runtime.materialize`
-    for when that equals building the model normally with the same seed; every rank must use
-    the same seed). Returns ``(model, optimizer)``::
+    ``build_fn()`` runs under ``torch.device("meta")``; ``make_optimizer(model)`` builds the optimizer (or a list) over
+    its parameters; each rank then initializes its shards one module at a time with the model's own
+    ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.runtime.materialize` for when that equals building the
+    model normally with the same seed; every rank must use the same seed). Returns ``(model, optimizer)``::
 
         model, opt = zero.init_sharded(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters()),
                                        init_fn=init_gpt_weights)
@@ -238,8 +246,5 @@ def init_sharded(
     with torch.device("meta"):
         model = build_fn()
     overrides = {**overrides, "stage": 3}
-    optimizer = ZeroOptimizer(
-        make_optimizer(model), model, config=config, process_group=process_group, init_fn=init_fn,
-        device=device, **overrides,
-    )
-    return model, optimizer
+    return model, ZeroOptimizer(make_optimizer(model), model, config=config, process_group=process_group,
+                                init_fn=init_fn, device=device, **overrides)

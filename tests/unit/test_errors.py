@@ -77,10 +77,49 @@ def test_step_after_no_sync_only():
         opt.step()
 
 
-def test_non_elementwise_optimizer_is_refused():
+def test_optimizers_that_cannot_step_one_parameter_at_a_time_are_refused_by_name():
     model = small_model()
-    with pytest.raises(ValueError, match="LBFGS is not supported"):
+    with pytest.raises(ValueError, match="LBFGS is not supported: its step re-evaluates the whole model"):
         ZeroOptimizer(torch.optim.LBFGS(model.parameters()), model)
+    with pytest.raises(ValueError, match="SparseAdam is not supported: it steps sparse gradients"):
+        ZeroOptimizer(torch.optim.SparseAdam(model.parameters()), model)
+    with pytest.raises(ValueError, match="LBFGS is not supported"):  # in a list too
+        ZeroOptimizer([torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.LBFGS(model[2].parameters())],
+                      model)
+
+
+def test_a_parameter_in_two_optimizers_is_refused_by_name():
+    model = small_model()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    second = torch.optim.AdamW([model[2].weight], lr=1e-3)
+    with pytest.raises(ValueError, match=r"parameter '2.weight' is in two of the optimizers .*\(#0 and #1\)"):
+        ZeroOptimizer([first, second], model)
+
+
+def test_an_empty_list_of_optimizers_is_refused():
+    with pytest.raises(ValueError, match="empty list of optimizers"):
+        ZeroOptimizer([], small_model())
+
+
+def test_a_list_entry_that_is_not_an_optimizer_is_refused():
+    model = small_model()
+    with pytest.raises(ValueError, match="wraps torch.optim.Optimizer instances, got list"):
+        ZeroOptimizer([torch.optim.SGD(model.parameters(), lr=0.1), [model[0].weight]], model)
+
+
+@pytest.mark.parametrize("offload,match", [
+    ({"optimizer": "cpu", "delayed_step": True}, "offload.delayed_step steps a copy of one elementwise optimizer"),
+    ({"optimizer": "disk"}, "offload to disk pages one elementwise optimizer"),
+])
+def test_offloads_that_step_one_elementwise_optimizer_refuse_several_or_a_whole_one(offload, match, tmp_path):
+    offload = {**offload, "path": str(tmp_path)} if offload["optimizer"] == "disk" else offload
+    model = small_model()
+    several = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.AdamW(model[2].parameters(), lr=1e-3)]
+    with pytest.raises(ValueError, match=match + r".*several optimizers \(SGD, AdamW\)"):
+        ZeroOptimizer(several, model, stage=1, offload=offload)
+    if getattr(torch.optim, "Adafactor", None) is not None:
+        with pytest.raises(ValueError, match=match + r".*Adafactor, stepped on whole parameters"):
+            ZeroOptimizer(torch.optim.Adafactor(model.parameters()), model, stage=1, offload=offload)
 
 
 def test_optimizer_that_already_stepped_is_refused():

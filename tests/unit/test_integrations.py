@@ -131,3 +131,38 @@ def test_trainer_and_accelerate_pass_the_example_of_an_automatic_offload_ratio(t
                                config=auto, example=example)
     assert prepared.optimizer.config.offload.ratio == 0.0
     accelerate.state.AcceleratorState._reset_state(True)
+
+
+def _muon_and_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's documented recipe: Muon on the hidden 2-D matrices, AdamW on the rest (embeddings, norms, biases)."""
+    hidden = [p for name, p in model.named_parameters() if p.ndim == 2 and ".h." in name]
+    rest = [p for name, p in model.named_parameters() if not (p.ndim == 2 and ".h." in name)]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_trainer_and_accelerate_step_muon_and_adamw_in_one_zero_optimizer(tmp_path):
+    """The Trainer takes one optimizer: a ``ZeroOptimizer`` over ``[muon, adamw]`` passed as ``optimizers=(opt, None)``
+    trains, each Muon matrix is updated once per step (as a whole), and the Trainer's schedule reaches both optimizers'
+    groups; Accelerate's ``prepare`` takes the list itself."""
+    model = gpt2()
+    opt = ZeroOptimizer(_muon_and_adamw(model), model, stage=2)
+    matrices = sum(1 for g in opt.optimizers[0].param_groups for _ in g["params"])  # this rank owns them all (world 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 64, (8, 16), generator=torch.Generator())]
+    trainer = ZeroTrainer(model=model, train_dataset=data, optimizers=(opt, None),
+                          args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+                                     save_strategy="no", lr_scheduler_type="linear"))
+    trainer.train()
+    assert trainer.zero_optimizer is opt and opt.runtime.owners.updates == 3 * matrices > 0
+    assert all(not torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # the linear schedule's end, in Muon's and AdamW's group
+    accelerate.state.AcceleratorState._reset_state(True)
+    model = gpt2()
+    model, prepared = zacc.prepare(accelerate.Accelerator(cpu=True), model, _muon_and_adamw(model), stage=3)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    prepared.backward(model(input_ids=ids, labels=ids).loss)
+    prepared.step()
+    assert [type(o).__name__ for o in prepared.optimizers] == ["Muon", "AdamW"]
+    assert prepared.runtime.owners.updates == matrices
+    accelerate.state.AcceleratorState._reset_state(True)

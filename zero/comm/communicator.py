@@ -3,16 +3,13 @@
 Every collective goes through a :class:`Communicator`, which
 
 * checks that every tensor it sends lives on its ``device`` (the one the backend moves);
-* counts payload elements and bytes (on the wire) per collective kind, for the
-  current step and for the last completed one (``CommStats``);
-* returns a :class:`Handle` whose ``wait()`` carries a timeout and turns a timeout
-  or a dead peer into an error that says which collective was waiting and why, after
-  aborting the process group so that the process can exit;
-* takes a fast path at world size 1 (no process group needed, nothing sent), unless
-  ``force_collectives`` asks for real collectives in a world of one.
+* counts payload elements and bytes (on the wire) per collective kind, for the current step and the last one;
+* returns a :class:`Handle` whose ``wait()`` carries a timeout and turns a timeout or a dead peer into an error that
+  says which collective was waiting and why, after aborting the process group so that the process can exit;
+* takes a fast path at world size 1 (nothing sent), unless ``force_collectives`` asks for real collectives.
 
-Payload conventions (the ZeRO paper's): a reduce-scatter's payload is its input,
-an all-gather's its output, an all-reduce's and a broadcast's their tensor.
+Payload conventions (the ZeRO paper's): a reduce-scatter's payload is its input, an all-gather's its output, an
+all-reduce's and a broadcast's their tensor, an all-to-all's its input.
 
 Note: every all-gather and reduce-scatter passes through the communicator's ``codec`` (:mod:`zero.comm.codec`),
 which decides how what it moves is encoded (the identity by default; ZeRO++'s block-quantized weights and
@@ -20,26 +17,21 @@ all-to-all gradient reduction are the codecs this seam is for) and composes the 
 :class:`GroupTransport`, the only code that sends them. Their ``numel`` counts the payload above, their ``bytes``
 the bytes on the wire (the payload's own with the identity codec).
 
-Note: with hierarchical sharding (:mod:`zero.comm.hierarchy`) the runtime's communicator is over one shard group and
-holds the communicator across the groups (``replicas``, HSDP) or counts a group's traffic as its own (hpZ's
-secondary gathers): ``levels``, reported by :meth:`Communicator.step_stats` as ``inter_<kind>`` / ``intra_<kind>``.
+Note: with hierarchical sharding (:mod:`zero.comm.hierarchy`) the communicator is over one shard group and holds the
+one across the groups (``replicas``, HSDP) or counts a group's traffic (hpZ's secondary gathers): ``levels``.
 
-Note: on gloo a reduce-scatter is an all-reduce of its input, and an all-gather one broadcast per rank.
-Gloo's own reduce-scatter sends what an all-reduce sends anyway, and the broadcasts send what its all-gather
-sends, but gloo's own two measured slower (torch 2.13, 2 ranks, in place, 25 MB: 1.6-2.1x and 1.4-1.5x the
-time; 130 MB: 1.8-2.1x and 3.9-4.2x; ``benchmarks/gloo_collectives.py``), and with these a 32.6M GPT's step
-at stage 2 went from 1.07x to 0.96x DDP's in the same run (``benchmarks/why_time.py``). Each rank's chunk is
-still the sum over ranks of the same inputs (bit for bit at two ranks; beyond, added in the order of gloo's
-all-reduce, the one DDP and stage 0 use), and every rank holds the same values.
+Note: on gloo a reduce-scatter is an all-reduce of its input, and an all-gather one broadcast per rank: gloo's
+own two send the same bytes but measured slower (torch 2.13, 2 ranks, in place, 25 MB: 1.6-2.1x and 1.4-1.5x the
+time; 130 MB: 1.8-2.1x and 3.9-4.2x; ``benchmarks/gloo_collectives.py``), and with these a 32.6M GPT's stage-2 step
+went from 1.07x to 0.96x DDP's (``benchmarks/why_time.py``). Each rank's chunk is still the sum over ranks of the
+same inputs (bit for bit at two ranks; beyond, in the order of gloo's all-reduce, DDP's), the same on every rank.
 
-Note on exit: a gloo collective's work, and with it the tensors it was given, is dropped by gloo's worker
-thread just after the work completes, so possibly after ``wait()`` has returned here. Had this thread already
-dropped its own references, the worker would be the one to free those tensors' Python objects, taking the GIL;
-if the script is by then exiting, Python ends that thread inside C++ and the process aborts ("terminate called
-without an active exception", seen at the end of short runs). So every gloo collective is started on private
-aliases (:class:`Settled`), and its wait returns once the worker has let go of them: the last reference is this
-thread's. For the same reason a communicator holds its group weakly (``Communicator.group``): after
-``destroy_process_group()`` nothing of ours keeps a group's worker threads alive into the interpreter's exit.
+Note on exit: gloo's worker thread drops a finished collective's work, and with it its tensors, possibly after
+``wait()`` returned here; had this thread dropped its own references, the worker would free those tensors' Python
+objects, taking the GIL, and at interpreter exit the process aborts ("terminate called without an active
+exception"). So every gloo collective starts on private aliases (:class:`Settled`), and its wait returns once the
+worker has let go of them. For the same reason a communicator holds its group weakly (``Communicator.group``):
+after ``destroy_process_group()`` nothing of ours keeps a group's worker threads alive into the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -328,6 +320,18 @@ class Communicator:
         if self.replicas is None:
             return handle
         return Chain(handle, lambda: self.replicas.broadcast(tensor, 0, what=f"{what} across groups"))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                   *, what: str = "all-to-all") -> Handle:
+        """Send ``input``'s consecutive pieces of ``input_splits[r]`` elements to each rank ``r`` of this group and
+        receive each rank's piece for this one into ``output``, in rank order (1D, uneven; no codec)."""
+        self._check(what, output, input)
+        if self.skips_collectives:
+            output.copy_(input)
+            return self._handle(None, what)
+        work = _start(dist.all_to_all_single, self.backend, output, input, output_split_sizes=output_splits,
+                      input_split_sizes=input_splits, group=self.group)
+        return self._handle(work, what, self.stats.record("all_to_all", input))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (for small metadata, not tensors), with this

@@ -46,17 +46,19 @@ from zero.integrations import CHECKPOINT_DIR, WeakNoSync
 from zero.optimizer import ZeroOptimizer
 
 
-def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
-            **zero_config: Any) -> tuple:
+def prepare(accelerator: Accelerator, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], *others: Any, **zero_config: Any) -> tuple:
     """Return ``(model, optimizer, *others)`` ready for ``accelerator``'s training loop (see the module docstring).
-    ``optimizer`` is a plain ``torch.optim`` optimizer over ``model``'s parameters (or a ``ZeroOptimizer``)."""
+    ``optimizer`` is a plain ``torch.optim`` optimizer over ``model``'s parameters, a list of them (Muon + AdamW: one
+    ``ZeroOptimizer`` steps both), or a ``ZeroOptimizer``."""
+    plain = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     if accelerator.mixed_precision != "no":
         raise ValueError(
             f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) autocasts around a model that ZeroOptimizer "
             "already manages; use Accelerator() and pass precision={'param_dtype': 'bf16'} to prepare() instead"
         )
     for other in others:
-        if getattr(other, "optimizer", None) is optimizer and not isinstance(optimizer, ZeroOptimizer):
+        if any(getattr(other, "optimizer", None) is o for o in plain) and not isinstance(optimizer, ZeroOptimizer):
             raise ValueError(
                 f"the {type(other).__name__} was built on the plain optimizer, which ZeroOptimizer replaces: its "
                 "learning rates would never reach the sharded one. Build it on the optimizer prepare() returns, "

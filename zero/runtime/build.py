@@ -1,8 +1,8 @@
 """Assembling a ``ZeroOptimizer``'s runtime, in the order data flows:
 
     config -> communicators (codec, shard groups) -> stage policy -> plan and buckets (placed)
-    -> parameters packed or sharded -> wrapped optimizer over the shard -> stepper
-    -> gatherer and reducer (hooks) -> release
+    -> parameters packed or sharded -> wrapped optimizers over the shard (flat) or over owned whole parameters
+    -> stepper -> gatherer and reducer (hooks) -> release
 
 Each step takes what the steps before produced and nothing else; parts a configuration does not use are
 null objects (``NoGatherer``, ``NoLossScaling``, ``ImmediateUpdate``), so nothing downstream asks whether
@@ -46,15 +46,24 @@ from zero.runtime.runtime import Runtime
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.host_threads import HostThreads
-from zero.runtime.step.inner import check_optimizer, rebuild_optimizer
+from zero.runtime.step.inner import (
+    ParamGroups,
+    as_list,
+    check_optimizers,
+    is_elementwise,
+    is_per_parameter,
+    rebuild_flat,
+    rebuild_whole,
+)
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.step.owner_step import OwnerStep
 from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
 from zero.runtime.wrappers import check_not_ddp
 from zero.weak import weak_hook
 
 
 def build_runtime(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     model: torch.nn.Module,
     config: ZeroConfig,
     *,
@@ -65,7 +74,11 @@ def build_runtime(
 ) -> Runtime:
     """Check the inputs, then build every part of the runtime over ``model`` (collective: every rank builds).
     ``placements``: where each side of a bucket lives (default: as ``config.offload`` says)."""
-    check_optimizer(optimizer)
+    optimizers = as_list(optimizer)
+    check_optimizers(optimizers, model)
+    whole = [not is_elementwise(o, config.elementwise_optimizers) for o in optimizers]
+    _check_whole_supported(optimizers, whole, config)
+    groups = ParamGroups(optimizers)
     check_not_ddp(model)
     world = Communicator(
         process_group, config.timeout_s, device=model_device(model, device), force_collectives=config.force_collectives
@@ -76,12 +89,12 @@ def build_runtime(
     gather_dropped_shards(model)  # what a dropped stage-3 optimizer left sharded (zero.runtime.gathering.release)
     check_device_supports(config.precision, comm.device)
     stage = make_stage(config.stage, config.precision)
-    meta = _replace_meta_parameters(model, optimizer, stage, init_fn, comm.device)
+    meta = _replace_meta_parameters(model, groups, stage, init_fn, comm.device)
     if config.sync_module_states:
         _broadcast_module_states(model, world, skip=meta)
     placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
-    state = per_element_state(optimizer) if placements.disk is not None else {}  # what a disk file must hold
-    partition = _build_partition(optimizer, model, config, stage, comm, placements, state, secondary)
+    state = per_element_state(optimizers[0]) if placements.disk is not None else {}  # what a disk file must hold
+    partition = _build_partition(groups, model, config, stage, comm, placements, state, secondary)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
     for bucket in partition.buckets:
@@ -96,12 +109,18 @@ def build_runtime(
     precision = config.precision
     managed = {slot.param for bucket in partition.buckets for slot in bucket.slots}
     cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
-    inner = rebuild_optimizer(optimizer, partition.buckets)
-    stepper = BucketStepper(inner, partition.trainable_buckets, config.step_kernel)
-    paging = _paging(inner, partition, placements, config, state)
+    whole_groups = {gi: None if is_per_parameter(o, config.per_parameter_optimizers) else i
+                    for i, (o, r, w) in enumerate(zip(optimizers, groups.ranges, whole)) if w for gi in r}
+    owners = OwnerStep(partition.trainable_buckets, whole_groups, comm, stage.num_shards(comm.world_size))
+    inners = [rebuild_whole(o, r, owners.owned()) if w else rebuild_flat(o, r, partition.buckets)
+              for o, r, w in zip(optimizers, groups.ranges, whole)]
+    owners.inners = [inner for inner in inners if inner.whole]
+    stepper = BucketStepper(inners, partition.trainable_buckets, config.step_kernel)
+    paging = _paging(inners[0].optimizer, partition, placements, config, state)
     threads = HostThreads(_host_threads(config, comm))
     if threads.count is not None:
-        warn_unfused_host_step(inner)
+        for inner in inners:
+            warn_unfused_host_step(inner.optimizer)
     policy = config.activation_checkpointing
     runtime = Runtime(
         config=config,
@@ -111,10 +130,11 @@ def build_runtime(
         partition=partition,
         placements=placements,
         owner=owner,
-        inner=inner,
+        inners=inners,
         stepper=stepper,
-        update=(DelayedStep(inner, threads) if config.offload.delayed_step
-                else ImmediateUpdate(stepper, stage, comm, paging, threads)),
+        owners=owners,
+        update=(DelayedStep(inners[0].optimizer, threads) if config.offload.delayed_step
+                else ImmediateUpdate(stepper, owners, stage, comm, paging, threads)),
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
         gatherer=_gatherer(partition, stage, comm, config, secondary),
         paging=paging,
@@ -146,6 +166,20 @@ def watch_for_drop(owner: Any, runtime: Runtime) -> None:
     finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
 
 
+def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[bool], config: ZeroConfig) -> None:
+    """Several optimizers, or one stepped on whole parameters: refuse by name what their step cannot run under."""
+    if len(optimizers) == 1 and not whole[0]:
+        return
+    what = (f"several optimizers ({', '.join(type(o).__name__ for o in optimizers)})" if len(optimizers) > 1
+            else f"{type(optimizers[0]).__name__}, stepped on whole parameters")
+    if config.offload.delayed_step:
+        raise ValueError(f"offload.delayed_step steps a copy of one elementwise optimizer in the background; with "
+                         f"{what} turn it off (offload.optimizer='cpu' alone steps on the host)")
+    if config.offload.on_disk:
+        raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
+                         f"with {what} offload to 'cpu' instead")
+
+
 def _host_threads(config: ZeroConfig, comm: Communicator) -> int | None:
     """The host step's threads (``None``: nothing steps on the host). The ranks sharing this machine: torchrun's
     ``LOCAL_WORLD_SIZE``, else every rank of the world (one machine)."""
@@ -168,7 +202,7 @@ def _full_precision(model: torch.nn.Module, config: ZeroConfig) -> set:
 
 
 def _build_partition(
-    optimizer: torch.optim.Optimizer,
+    optimizer: ParamGroups,
     model: torch.nn.Module,
     config: ZeroConfig,
     stage: Stage,
@@ -272,7 +306,7 @@ def _broadcast_module_states(model: torch.nn.Module, comm: Communicator, skip: s
 
 
 def _replace_meta_parameters(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: Stage, init_fn: InitFn | None, device: torch.device
+    model: torch.nn.Module, optimizer: ParamGroups, stage: Stage, init_fn: InitFn | None, device: torch.device
 ) -> set:
     """Stage 3 with a meta model: swap meta parameters for placeholders on the target device."""
     if not any(p.is_meta for p in model.parameters()):

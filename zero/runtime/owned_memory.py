@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from zero.memory import MemoryItem, ModelStateBytes, storage_bytes
 from zero.runtime.runtime import Runtime
@@ -38,9 +39,13 @@ def _unbucketed(runtime: Runtime) -> Iterator[tuple[str, MemoryItem]]:
     """Frozen parameters kept whole (stages 0-2) and the wrapped optimizer's state."""
     for name, p in runtime.partition.frozen:
         yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
+    states = [inner.optimizer.state for inner in runtime.inners]
     for bucket in runtime.trainable_buckets:  # (partial offload: some buckets' state is on the host, some not)
         host = bucket.placements.optimizer.where.suffix if bucket.offloaded else ""
-        for piece in bucket.pieces:
-            for key, value in runtime.inner.state.get(piece.tensor, {}).items():
-                if isinstance(value, torch.Tensor):
-                    yield "optimizer_state", MemoryItem("optimizer_state", key + host, value)
+        held = [piece.tensor for piece in bucket.pieces]  # the flat path's
+        held += [stand_in for slot, stand_in in runtime.owners.owned() if slot.bucket is bucket]  # the whole path's
+        for tensor in held:
+            for key, value in (v for state in states for v in state.get(tensor, {}).items()):
+                for leaf in tree_leaves(value):  # (a tensor, or lists of them: SOAP's per-dimension factors)
+                    if isinstance(leaf, torch.Tensor):
+                        yield "optimizer_state", MemoryItem("optimizer_state", key + host, leaf)

@@ -30,7 +30,9 @@ from zero.runtime.offload.paging import Resident
 from zero.runtime.reduction.reducer import GradReducer, GradState
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
+from zero.runtime.step.inner import Inner
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
+from zero.runtime.step.owner_step import OwnerStep
 from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
 from zero.runtime.wrappers import check_not_called_by_ddp
 
@@ -46,8 +48,9 @@ class Runtime:
     partition: Partition
     placements: Placements
     owner: Owner  # what the managed parameters are marked with (zero.runtime.buffers.ownership)
-    inner: torch.optim.Optimizer  # the wrapped optimizer, rebuilt over this rank's pieces
+    inners: list[Inner]  # the wrapped optimizers, each rebuilt over this rank's share (zero.runtime.step.inner)
     stepper: BucketStepper
+    owners: OwnerStep  # the whole-parameter optimizers' owners and exchange (inert without one)
     update: ImmediateUpdate | DelayedStep
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer
@@ -66,6 +69,14 @@ class Runtime:
     @property
     def trainable_buckets(self) -> list[Bucket]:
         return self.partition.trainable_buckets
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, rebuilt over this rank's share (when there is one: see :attr:`inners`)."""
+        if len(self.inners) != 1:
+            raise ValueError(f"this ZeroOptimizer wraps {len(self.inners)} optimizers; use its .optimizers (each one "
+                             "rebuilt over this rank's share)")
+        return self.inners[0].optimizer
 
     # ----- checks ------------------------------------------------------------------------------------
 

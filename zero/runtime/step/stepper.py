@@ -3,9 +3,10 @@
 The optimizer step is split by bucket so that each bucket's updated parameters can be shared while
 the next one steps: the all-gather of stages 1-2 (launched by the caller) and, with CPU offload, the
 copy of the low-precision parameters back up to the GPU run behind the next bucket's host step. A
-bucket is stepped by giving only its pieces a ``.grad`` and calling the wrapped optimizer's
-``step()``: torch optimizers skip parameters without a gradient, and every supported optimizer acts
-element by element, so the split changes no number.
+bucket is stepped by giving only its pieces a ``.grad`` and calling each flat optimizer's ``step()``
+(``zero.runtime.step.inner``): torch optimizers skip parameters without a gradient, and every optimizer
+on this path acts element by element, so the split changes no number. The whole-parameter optimizers
+have stepped before (``zero.runtime.step.owner_step``), writing their updates into the same master chunks.
 
 ``ZeroConfig.step_kernel`` chooses the kernel of mixed-precision Adam and AdamW on the device:
 
@@ -33,6 +34,8 @@ from zero.runtime.buffers.bucket import Bucket, LocalPiece
 from zero.runtime.offload.paging import Resident
 from zero.runtime.step.flat_step import FlatAdamW
 from zero.runtime.step.host_threads import HostThreads
+from zero.runtime.step.inner import Inner
+from zero.runtime.step.owner_step import OwnerStep
 
 
 def triton_available() -> bool:
@@ -57,15 +60,21 @@ def triton_unsuitable(optimizer: torch.optim.Optimizer, bucket: Bucket) -> str |
 
 
 class BucketStepper:
-    """Steps the wrapped optimizer bucket by bucket (see the module docstring)."""
+    """Steps the flat optimizers bucket by bucket (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], kernel: StepKernel):
-        self.optimizer = optimizer
+    def __init__(self, inners: list[Inner], buckets: list[Bucket], kernel: StepKernel):
+        self.inners = [inner for inner in inners if not inner.whole]
         self.triton: set[int] = set()  # indices of the buckets the Triton step takes
+        optimizer = self.inners[0].optimizer if self.inners else None
         self.flat = FlatAdamW(optimizer)
         if kernel == "auto":
             buckets = [b for b in buckets if b.master.device.type == "cuda"]
         if kernel == "torch" or not buckets:
+            return
+        if len(inners) > 1 or optimizer is None:  # (the Triton step reads one optimizer's groups)
+            if kernel == "triton":
+                raise ValueError("step_kernel='triton' steps a single Adam or AdamW optimizer; with several "
+                                 "optimizers, or one stepped on whole parameters, use step_kernel='auto' or 'torch'")
             return
         if not triton_available():
             if kernel == "triton":
@@ -86,7 +95,10 @@ class BucketStepper:
             self.flat.step(bucket)
             return
         self.flat.forget_counts(bucket)  # (the torch step advances the counts the Triton step keeps)
-        self.update_master(bucket, self.optimizer, step_kwargs=step_kwargs)
+        for inner in self.inners:
+            pieces = [p for p in bucket.pieces if p.slot.used_anywhere and p.slot.group_index in inner.groups]
+            if pieces:
+                self.update_master(bucket, inner.optimizer, pieces=pieces, step_kwargs=step_kwargs)
         bucket.push_master()
 
     @staticmethod
@@ -124,14 +136,21 @@ class ImmediateUpdate:
 
     pending = False
 
-    def __init__(self, stepper: BucketStepper, stage: Any, comm: Any, paging: Resident, threads: HostThreads):
-        self.stepper, self.stage, self.comm, self.paging, self.threads = stepper, stage, comm, paging, threads
+    def __init__(self, stepper: BucketStepper, owners: OwnerStep, stage: Any, comm: Any, paging: Resident,
+                 threads: HostThreads):
+        self.stepper, self.owners, self.stage, self.comm = stepper, owners, stage, comm
+        self.paging, self.threads = paging, threads
 
     def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any], adopt: bool = True) -> list:
-        """Step every bucket (first taking the edits into its master with ``adopt``); the handles of the parameters'
-        all-gathers (``None`` where nothing is gathered)."""
+        """Step the whole parameters, then every bucket (first taking the edits into its master with ``adopt``); the
+        handles of the parameters' all-gathers (``None`` where nothing is gathered)."""
         handles = []
         with self.threads.scope():
+            if self.owners.active:  # (the owners read the masters: every edit taken first)
+                for bucket in buckets if adopt else []:
+                    bucket.adopt_edits()
+                adopt = False
+                self.owners.step(step_kwargs)
             for bucket in self.paging.walk(buckets):
                 if adopt:
                     bucket.adopt_edits()
