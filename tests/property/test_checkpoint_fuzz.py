@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zero
-from tests.checkpoints import CHECKSUM, METADATA, PART, Tiny, rewrite_metadata, same, saved_tiny, tiny, weights
+from tests.checkpoints import CHECKSUM, METADATA, PART, Tiny, rewrite_metadata, same, saved_tiny, step, tiny, weights
 from zero.cli.main import main as cli
 
 CHECKPOINT_FILES = [METADATA, CHECKSUM, PART]
@@ -190,3 +190,47 @@ def test_hand_crafted_metadata_never_gives_other_numbers(original, where, new):
         if exact_or_named(lambda: zero.consolidate(ckpt, out, progress=False), [str(ckpt)]) is not None:
             for value in zero.load_consolidated(out).values():
                 assert (value.dtype, value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()) in saved_bytes
+
+
+@pytest.fixture(scope="module")
+def original_whole(tmp_path_factory) -> dict[str, Any]:
+    """``Tiny`` with Adafactor on its matrices (stepped whole) and AdamW on its biases (flat): a format-3 checkpoint."""
+    if getattr(torch.optim, "Adafactor", None) is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.Adafactor")
+    root = tmp_path_factory.mktemp("fuzz_whole")
+    model, opt = whole_tiny()
+    step(model, opt)
+    zero.save_checkpoint(root / "ckpt", model, opt, progress=False)
+    return {"root": root, "weights": weights(model, opt), "state": [o.state_dict()["state"] for o in opt.optimizers]}
+
+
+def whole_tiny(seed: int = 0) -> tuple[Tiny, zero.ZeroOptimizer]:
+    torch.manual_seed(seed)
+    model = Tiny()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizers = [torch.optim.Adafactor([p for p in trained if p.dim() == 2], lr=1e-2),
+                  torch.optim.AdamW([p for p in trained if p.dim() == 1], lr=1e-2)]
+    return model, zero.ZeroOptimizer(optimizers, model, stage=2, bucket_size_mb=0.001)
+
+
+def same_states(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(same_state({"state": x}, {"state": y}) for x, y in zip(a, b))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(where=st.integers(0, 10**6), new=VALUES)
+def test_hand_crafted_metadata_of_whole_state_never_gives_other_numbers(original_whole, where, new):
+    """Any one value of a format-3 ``metadata.json`` (several optimizers, one stepped whole) replaced, its checksum
+    recomputed: loading with the optimizers gives the saved weights and every optimizer's state exactly, or is
+    refused naming the checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        shutil.copytree(original_whole["root"] / "ckpt", ckpt)
+        meta = json.loads((ckpt / METADATA).read_text())
+        assert meta["format"] == "zero.checkpoint/3"
+        paths = leaves(meta)
+        rewrite_metadata(ckpt, lambda m: replace(m, paths[where % len(paths)], new))
+        model, opt = whole_tiny(seed=1)
+        if exact_or_named(lambda: zero.load_checkpoint(ckpt, model, opt, progress=False), [str(ckpt)]) is not None:
+            assert same(weights(model, opt), original_whole["weights"])
+            assert same_states([o.state_dict()["state"] for o in opt.optimizers], original_whole["state"])

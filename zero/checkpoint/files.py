@@ -1,6 +1,6 @@
 """The portable checkpoint on disk: one directory, read back at any world size and stage.
 
-Layout (``zero.checkpoint/2``)::
+Layout (``zero.checkpoint/2``, and ``/3`` with several optimizers or whole-parameter ones)::
 
     CHECKPOINT/
       metadata.json                          what is where, the run that saved it, checksums
@@ -16,6 +16,9 @@ state name: key}]``. A piece is what one rank owned when it saved (a chunk of a 
 (``exp_avg``, ``step``, ...) lies beside it, 1D of the piece's length or 0-dim. Loading reads, for
 each range a rank owns now, the intersecting ranges of the saved pieces: any world size, any stage.
 Tied parameters are stored once, under their first name, with their other names in ``aliases``.
+A parameter stepped whole (Muon, Adafactor, ...) keeps its values in pieces like any other, and its
+optimizer state whole, as its owner wrote it (``whole_state``: :mod:`zero.checkpoint.whole_state`),
+read back by whichever rank owns it at load.
 
 **What opening one verifies** (:class:`Checkpoint`, before anything is allocated or loaded): the
 SHA-256 of ``metadata.json`` against ``metadata.json.sha256`` (another file: no single edit can
@@ -46,9 +49,9 @@ from typing import Any, BinaryIO, Callable, Optional
 import torch
 from pydantic import ValidationError
 
-from zero.checkpoint import tensorfile
+from zero.checkpoint import tensorfile, tree, whole_state
 from zero.checkpoint.directory import CHECKSUM, METADATA, resolve
-from zero.checkpoint.schema import FORMAT, CheckpointMetadata, TensorRecord, entries_of, summary
+from zero.checkpoint.schema import FORMATS, CheckpointMetadata, TensorRecord, entries_of, summary
 from zero.checkpoint.tensorfile import numel_of
 
 StateTarget = Callable[[str, torch.dtype], Optional[torch.Tensor]]  # (key, dtype) -> where to read it
@@ -169,6 +172,25 @@ class Checkpoint:
             state[key] = out
         return state
 
+    def whole_state(self, name: str) -> dict[str, Any] | None:
+        """The optimizer state that the owner of whole parameter ``name`` saved, as it was (tensors in their saved
+        shape and dtype, on the CPU), or ``None`` when it had none. Verify :meth:`whole_state_keys` first."""
+        record = self.tensors[name].whole_state
+        if record is None:
+            return None
+        def tensor(i: int) -> torch.Tensor:
+            key = record.keys[i]
+            entry = self.entries[record.file][key]
+            values = self._read(record.file, key, 0, entry.numel).reshape(entry.shape)
+            return whole_state.laid_out(values, record.layouts.get(key))
+
+        return tree.decode(record.tree, tensor)
+
+    def whole_state_keys(self, name: str) -> set[tuple[int, str]]:
+        """The ``(file, key)`` entries of :meth:`whole_state`."""
+        record = self.tensors[name].whole_state
+        return set() if record is None else {(record.file, key) for key in record.keys}
+
     def extra_keys(self) -> set[tuple[int, str]]:
         """The ``(file, key)`` entries of the tensors set aside by :func:`zero.checkpoint.tree.encode`."""
         return {(0, key) for key in self.entries[0] if key.startswith("x/")}
@@ -257,12 +279,12 @@ def _check_format(path: Path, raw: bytes) -> None:
         raise ValueError(f"{path} is not valid JSON ({err}); the checkpoint is damaged") from err
     tag = meta.get("format") if isinstance(meta, dict) else None
     if not isinstance(tag, str) or not tag.startswith("zero.checkpoint/"):
-        raise ValueError(f"{path} is not a zero checkpoint's metadata (no 'format': {FORMAT!r})")
+        raise ValueError(f"{path} is not a zero checkpoint's metadata (no 'format': {FORMATS[-1]!r})")
     if tag == "zero.checkpoint/1":
         raise ValueError(f"{path} is in format 'zero.checkpoint/1', saved by an earlier zero without a checksum of "
-                         f"its metadata, which this version requires ({FORMAT!r}); load it with the zero version "
+                         f"its metadata, which this version requires ({FORMATS[0]!r}); load it with the zero version "
                          f"that saved it (zero {meta.get('zero_version')}, an earlier commit) and save it again with "
                          "this one")
-    if tag != FORMAT:
-        raise ValueError(f"{path} is in format {tag!r}, which this version of zero cannot read (it reads {FORMAT!r}); "
-                         "load it with the zero version that saved it")
+    if tag not in FORMATS:
+        raise ValueError(f"{path} is in format {tag!r}, which this version of zero cannot read (it reads "
+                         f"{' and '.join(map(repr, FORMATS))}); load it with the zero version that saved it")

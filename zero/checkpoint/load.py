@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from zero.checkpoint import tree
+from zero.checkpoint import optimizer_set, tree
 from zero.checkpoint.files import Checkpoint
 from zero.checkpoint.model_tensors import ModelTensor, checked, describe
 from zero.checkpoint.progress import Progress, ProgressArg
-from zero.checkpoint.shard_header import class_name
 from zero.optimizer import ZeroOptimizer
+from zero.runtime.buffers.bucket import ParamSlot
+from zero.runtime.step.inner import Inner
 
 
 def load_checkpoint(
@@ -29,10 +30,11 @@ def load_checkpoint(
     """Load a checkpoint saved by :func:`save_checkpoint` at any world size and stage; return its ``extra``.
 
     Call it on every rank, after building the model and its ``ZeroOptimizer`` as for training (any
-    stage, world size, precision or offload; the optimizer's class and parameter groups as when
-    saved: their hyperparameters, e.g. the learning rate, come from the checkpoint). Restores the
-    parameters (from the fp32 master weights when they were saved), buffers, the optimizer state,
-    the loss scale and, if given, ``scheduler``. With ``optimizer=None`` it loads only the weights
+    stage, world size, precision or offload; the same optimizers, in the same order, with the same
+    parameter groups as when saved: their hyperparameters, e.g. the learning rate, come from the
+    checkpoint). Restores the parameters (from the fp32 master weights when they were saved), buffers,
+    the optimizer state (of a parameter stepped whole, on the rank that owns it now), the loss scale
+    and, if given, ``scheduler``. With ``optimizer=None`` it loads only the weights
     into a plain, unwrapped model (single process). Everything is checked first (the model's names
     and shapes, the optimizer, the files' sizes and checksums): a refused load changes nothing.
     """
@@ -73,6 +75,8 @@ def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: 
     for h in model_tensors:
         for start, numel in _ranges(h, opt):
             keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
+    for slot, _ in opt.runtime.owners.owned():  # the whole parameters this rank steps: their state
+        keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(slot.name, slot.name))
     meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
     ckpt.verify(keys, on_bytes=meter.advance)
     state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
@@ -115,18 +119,19 @@ def _more(names: list[str], shown: int) -> str:
 
 
 def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> None:
-    """The same optimizer class, and every trainable parameter in the same param group."""
-    has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces)
-    saved_class = ckpt.meta.optimizer_class
-    if has_state and saved_class != class_name(opt.inner):
-        raise ValueError(f"{ckpt.path} holds the state of a {saved_class} but this ZeroOptimizer wraps "
-                         f"a {class_name(opt.inner)}; wrap a {saved_class} to resume from it")
+    """The same optimizers (classes, order, step paths, param groups; one elementwise optimizer's class only
+    matters when the checkpoint holds its state), and every trainable parameter in the same param group."""
+    saved, here = ckpt.meta.optimizer_records(), optimizer_set.records(opt.runtime.inners)
+    has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces) or any(
+        t.whole_state is not None for t in ckpt.tensors.values())
+    if has_state or len(saved) > 1 or len(here) > 1 or "whole" in {o["path"] for o in [*saved, *here]}:
+        optimizer_set.check_same(saved, here, str(ckpt.path), paths=has_state)
     for h in model_tensors:
         if h.slot is None or not h.slot.bucket.trainable:
             continue
         record = ckpt.tensors[ckpt.meta.aliases.get(h.name, h.name)]
         if record.trainable and record.group != h.slot.group_index:
-            raise ValueError(f"{h.name!r} was in param group {record.group} when saved but is in group "
+            raise ValueError(f"{ckpt.path}: {h.name!r} was in param group {record.group} when saved but is in group "
                              f"{h.slot.group_index} now; build the optimizer with the same param groups")
 
 
@@ -153,21 +158,34 @@ def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
             for p in bucket.layout.pieces(bucket.shard_index):
                 if p.param_index == h.slot.span.param_index:
                     ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel))
-    opt.inner.state.clear()
+    states = [_inner_state(ckpt, opt, inner, plan.state["param_groups"]) for inner in opt.runtime.inners]
+    opt.finish_load(states[0] if len(states) == 1 else states, plan.state["loss_scale"])
+
+
+def _inner_state(ckpt: Checkpoint, opt: ZeroOptimizer, inner: Inner, hyper: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``torch.optim`` state dict of one wrapped optimizer over this rank's share, read from ``ckpt``: each
+    piece's state cut from the saved pieces (flat), or each owned whole parameter's state as its owner saved it."""
+    aliases = ckpt.meta.aliases
+    inner.optimizer.state.clear()
     piece_of = {id(p.tensor): p for b in opt.buckets for p in b.pieces}
+    slot_of: dict[int, ParamSlot] = {id(stand_in): slot for slot, stand_in in opt.runtime.owners.owned()}
     state, groups, index = {}, [], 0
-    for group, hyper in zip(opt.inner.param_groups, plan.state["param_groups"]):
+    for group, gi in zip(inner.optimizer.param_groups, inner.groups):
         ids = []
         for tensor in group["params"]:
-            piece = piece_of[id(tensor)]
-            saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
-                                    piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece))
+            if inner.whole:
+                slot = slot_of[id(tensor)]
+                saved = ckpt.whole_state(aliases.get(slot.name, slot.name))
+            else:
+                piece = piece_of[id(tensor)]
+                saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
+                                        piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece))
             if saved:
                 state[index] = saved
             ids.append(index)
             index += 1
-        groups.append({**hyper, "params": ids})
-    opt.finish_load({"state": state, "param_groups": groups}, plan.state["loss_scale"])
+        groups.append({**hyper[gi], "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: ProgressArg) -> Any:

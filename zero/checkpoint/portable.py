@@ -3,10 +3,13 @@
 Every rank calls both. Saving (:mod:`zero.checkpoint.save`), each rank writes what it alone owns
 (its chunk of every bucket: master weights or parameters, and the optimizer state beside them; at
 stage 0, where every rank owns everything, bucket ``b`` is written by rank ``b mod N``), plus its
-share of the tensors kept whole (frozen parameters at stages 0-2, buffers). Rank 0 then writes
-``metadata.json`` (see :mod:`zero.checkpoint.files`) and renames the directory into place.
-Loading (:mod:`zero.checkpoint.load`), each rank reads the ranges it owns now from whichever files
-hold them. Both see the model's tensors through :mod:`zero.checkpoint.model_tensors`.
+share of the tensors kept whole (frozen parameters at stages 0-2, buffers), and the optimizer state
+of the parameters it steps whole (Muon, Adafactor, ...: :mod:`zero.checkpoint.whole_state`; at stage
+0, the ``i``-th such parameter by rank ``i mod N``). Rank 0 then writes ``metadata.json`` (see
+:mod:`zero.checkpoint.files`) and renames the directory into place. Loading
+(:mod:`zero.checkpoint.load`), each rank reads the ranges it owns now from whichever files hold
+them, and the whole state of the parameters it owns now. Both see the model's tensors through
+:mod:`zero.checkpoint.model_tensors`.
 
 Notes:
 

@@ -1,5 +1,6 @@
 """Saving a portable checkpoint (:mod:`zero.checkpoint.portable`: the format, and what makes it atomic): each
-rank writes what it alone owns, then rank 0 writes ``metadata.json`` and renames the directory into place."""
+rank writes what it alone owns (with several optimizers or whole-parameter ones, the whole state of the parameters
+it owns too), then rank 0 writes ``metadata.json`` and renames the directory into place."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ from typing import Any, Callable
 import torch
 
 from zero.checkpoint import directory as checkpoint_directory
-from zero.checkpoint import tensorfile, tree
+from zero.checkpoint import optimizer_set, tensorfile, tree, whole_state
 from zero.checkpoint.model_tensors import ModelTensor, checked, describe
 from zero.checkpoint.progress import Progress, ProgressArg
-from zero.checkpoint.schema import FORMAT, CheckpointMetadata, part_name
-from zero.checkpoint.shard_header import class_name
+from zero.checkpoint.schema import FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
 from zero.checkpoint.tensorfile import Spec
 from zero.comm.communicator import Communicator
 from zero.optimizer import ZeroOptimizer
@@ -69,28 +69,34 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: ZeroOptimizer, s
                  "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
         tensors: list[torch.Tensor] = []
         encoded = tree.encode(state, tensors)  # on every rank: a bad ``extra`` fails everywhere, before any write
-        writes, pieces = _my_writes(opt, model_tensors)
+        writes, placed = _my_writes(opt, model_tensors)
         if comm.rank == 0:
             writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
             checkpoint_directory.prepare(final)
-        return model_tensors, aliases, encoded, writes, pieces
+        return model_tensors, aliases, encoded, writes, placed
 
-    model_tensors, aliases, encoded, writes, pieces = comm.everywhere(prepare, "preparing the save")
+    model_tensors, aliases, encoded, writes, placed = comm.everywhere(prepare, "preparing the save")
     report = progress if comm.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
-    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, pieces, meter), "writing its part",
+    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, placed, meter), "writing its part",
                                 share=True)
+    optimizers = optimizer_set.records(opt.runtime.inners)
+    one_flat = len(optimizers) == 1 and optimizers[0]["path"] == "flat"  # format 2, as before format 3
     meta = {
-        "format": FORMAT, "zero_version": __version__, "torch_version": torch.__version__,
-        "world_size": comm.world_size, "stage": opt.config.stage, "config": opt.config.model_dump(mode="json"),
-        "optimizer_class": class_name(opt.inner), "step": max(m["step"] for m in manifests),
+        "format": FORMAT if one_flat else OPTIMIZERS_FORMAT, "zero_version": __version__,
+        "torch_version": torch.__version__, "world_size": comm.world_size, "stage": opt.config.stage,
+        "config": opt.config.model_dump(mode="json"), "optimizer_class": " + ".join(o["class"] for o in optimizers),
+        "step": max(m["step"] for m in manifests),
         "tensors": {h.name: h.record() for h in model_tensors}, "aliases": aliases, "state": encoded,
         "files": [{"name": part_name(r, comm.world_size), "bytes": m["bytes"], "entries": m["entries"]}
                   for r, m in enumerate(manifests)],
+        **({} if one_flat else {"optimizers": optimizers}),
     }
     for rank, manifest in enumerate(manifests):
         for name, records in manifest["pieces"].items():
             meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
+        for name, record in manifest["whole"].items():
+            meta["tensors"][name]["whole_state"] = {"file": rank, **record}
     note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None,
                            "publishing the checkpoint")
     parts = f"{comm.world_size} part{'s' if comm.world_size > 1 else ''}"
@@ -101,13 +107,15 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: ZeroOptimizer, s
 Write = tuple[Spec, Callable[[], torch.Tensor]]
 
 
-def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, list]]:
-    """What this rank writes: its chunk of each bucket it writes (values and optimizer state, piece by
-    piece) and its share of the tensors kept whole; and those pieces by tensor name, as the metadata
-    records them: ``[start, numel, value key, {state name: key}]``."""
+def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, Any]]:
+    """What this rank writes: its chunk of each bucket it writes (values and the flat optimizer state, piece by
+    piece), its share of the tensors kept whole, and the optimizer state of the whole parameters it writes; and
+    where they go in the metadata: ``{"pieces": {tensor name: [[start, numel, value key, {state name: key}], ...]},
+    "whole": {parameter name: {"keys", "tree"}}}``."""
     comm = opt.comm
     writes: list[Write] = []
     pieces: dict[str, list] = {}
+    flat_state = [inner.optimizer.state for inner in opt.runtime.inners if not inner.whole]
     for bucket in opt.buckets:
         if _writer(bucket, comm) != comm.rank:
             continue
@@ -120,7 +128,7 @@ def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[li
             values = source.narrow(0, piece.chunk_start, piece.numel)
             writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
             tensor = local.get((slot.name, piece.param_start))
-            state = opt.inner.state.get(tensor, {}) if tensor is not None else {}
+            state = next((s[tensor] for s in flat_state if tensor in s), {}) if tensor is not None else {}
             for state_name, value in state.items():
                 if not isinstance(value, torch.Tensor) or value.dim() not in (0, 1):
                     raise ValueError(f"optimizer state {state_name!r} of {slot.name!r} is not a tensor of the "
@@ -133,7 +141,34 @@ def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[li
         if i % comm.world_size == comm.rank:
             writes.append((Spec(f"w/{h.name}", h.tensor.dtype, tuple(h.tensor.shape)), lambda t=h.tensor: t.detach()))
             pieces[h.name] = [[0, h.tensor.numel(), f"w/{h.name}", {}]]
-    return writes, pieces
+    whole = {}
+    for name, state, optimizer in _whole_states(opt):
+        record, tensors = whole_state.encode(state, name, optimizer_set.class_name(optimizer))
+        writes += [(Spec(key, t.dtype, tuple(t.shape)), lambda t=t: t) for key, t in zip(record["keys"], tensors)]
+        whole[name] = record
+    return writes, {"pieces": pieces, "whole": whole}
+
+
+def _whole_states(opt: ZeroOptimizer) -> list[tuple[str, dict, torch.optim.Optimizer]]:
+    """``(parameter name, optimizer state, optimizer)`` of each parameter stepped whole that this rank writes and
+    that has state: its owner writes it, or with one shard (stage 0), where every rank owns every such parameter,
+    rank ``i mod N`` the ``i``-th of them in model order."""
+    owners = opt.runtime.owners
+    one_shard = owners.exchange.num_shards == 1
+    order = {key: i for i, key in enumerate(owners.slot_of)}
+    writer = {id(stand_in): (order[key] % opt.comm.world_size if one_shard else opt.comm.rank)
+              for key, stand_in in owners.stand_ins.items()}
+    slot_of = {id(stand_in): slot for slot, stand_in in owners.owned()}
+    found = []
+    for inner in opt.runtime.inners:
+        if not inner.whole:
+            continue
+        for group in inner.optimizer.param_groups:
+            for stand_in in group["params"]:
+                state = inner.optimizer.state.get(stand_in)
+                if state and writer[id(stand_in)] == opt.comm.rank:
+                    found.append((slot_of[id(stand_in)].name, state, inner.optimizer))
+    return found
 
 
 def _writer(bucket: Bucket, comm: Communicator) -> int:
@@ -141,14 +176,17 @@ def _writer(bucket: Bucket, comm: Communicator) -> int:
     return bucket.shard_index if bucket.layout.num_shards > 1 else bucket.index % comm.world_size
 
 
-def _write_part(partial: Path, comm: Communicator, writes: list[Write], pieces: dict[str, list],
+def _write_part(partial: Path, comm: Communicator, writes: list[Write], placed: dict[str, Any],
                 meter: Progress) -> dict[str, Any]:
-    """Write this rank's file; return its manifest (entries, pieces by tensor name, size, largest ``step``)."""
+    """Write this rank's file; return its manifest (entries, pieces by tensor name, whole-parameter state by
+    parameter name, size, largest ``step``)."""
     file = partial / part_name(comm.rank, comm.world_size)
     specs = [spec for spec, _ in writes]
     entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance).entries
     steps = [float(make()) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")]
-    return {"entries": {k: e.to_json() for k, e in entries.items()}, "pieces": pieces,
+    steps += [float(make()) for spec, make in writes if spec.key.startswith(whole_state.PREFIX)
+              and spec.key.endswith("/step") and spec.shape == ()]
+    return {"entries": {k: e.to_json() for k, e in entries.items()}, **placed,
             "bytes": file.stat().st_size, "step": int(max(steps, default=0))}
 
 

@@ -1,4 +1,9 @@
-"""The schema of a portable checkpoint's ``metadata.json`` (format ``zero.checkpoint/2``), checked with pydantic.
+"""The schema of a portable checkpoint's ``metadata.json`` (formats ``zero.checkpoint/2`` and ``/3``), checked with
+pydantic. Format 2 is one elementwise optimizer's (its state per piece); format 3 adds ``optimizers`` (each wrapped
+optimizer's class, step path and number of param groups, :mod:`zero.checkpoint.optimizer_set`) and, for the
+parameters stepped whole, their state in the parameter's own shape (``whole_state``,
+:mod:`zero.checkpoint.whole_state`). A save writes format 2 whenever it can, so a checkpoint of one elementwise
+optimizer is the same as before format 3 existed.
 
 :class:`CheckpointMetadata` checks each field's type and range, and then that the fields agree with
 one another, before anything is read from the parts or allocated:
@@ -9,8 +14,10 @@ one another, before anything is read from the parts or allocated:
 * every piece of a tensor names the entry of its own range by the key the save gives it
   (``v/NAME/START``, ``s/NAME/START/STATE``, ``w/NAME``), of the tensor's dtype and the piece's
   length; the pieces tile the tensor's elements exactly; optimizer state is 0-dim or of the piece's
-  length; every entry is read by exactly one piece (or one tensor of ``extra``), so what a load
-  allocates is bounded by what the files hold;
+  length; a whole parameter's state names entries ``o/NAME/...`` of one part, and only parameters of a
+  whole-path optimizer have it (and those of a flat one only per piece); every entry is read by exactly
+  one piece (or one tensor of ``extra`` or of a whole parameter's state), so what a load allocates is
+  bounded by what the files hold;
 * tied names point at stored tensors, and every tensor that ``state`` refers to is stored.
 
 A :class:`pydantic.ValidationError` (a ``ValueError``) says which field is wrong;
@@ -19,13 +26,15 @@ A :class:`pydantic.ValidationError` (a ``ValueError``) says which field is wrong
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zero.checkpoint.tensorfile import DTYPES, Entry, numel_of
 
-FORMAT = "zero.checkpoint/2"
+FORMAT = "zero.checkpoint/2"  # one elementwise optimizer: what every save wrote before several optimizers
+OPTIMIZERS_FORMAT = "zero.checkpoint/3"  # several optimizers, or whole-parameter ones
+FORMATS = (FORMAT, OPTIMIZERS_FORMAT)  # what a load reads
 MAX_COUNT = 2**63 - 1  # file offsets and sizes: what a seek takes
 
 
@@ -58,6 +67,16 @@ class FileRecord(_Strict):
     entries: dict[str, EntryRecord]
 
 
+class WholeState(_Strict):
+    """The optimizer state of a parameter stepped whole: a JSON tree whose tensor ``i`` is entry ``keys[i]`` of
+    part ``file``, and the layout of those kept other than row-major (:mod:`zero.checkpoint.whole_state`)."""
+
+    file: Count
+    keys: list[str]
+    tree: Any
+    layouts: dict[str, list[Annotated[int, Field(ge=0, le=64)]]] = {}
+
+
 class TensorRecord(_Strict):
     """One tensor of the model's ``state_dict``, stored once (tied names are ``aliases``)."""
 
@@ -67,6 +86,20 @@ class TensorRecord(_Strict):
     trainable: bool
     group: Annotated[int, Field(ge=-1)]
     pieces: list[PieceRecord]
+    whole_state: WholeState | None = None  # format 3, a parameter of a whole-path optimizer that has state
+
+
+class OptimizerRecord(_Strict):
+    """One wrapped optimizer (format 3): its class, step path and number of param groups, in order."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    class_: str = Field(alias="class")
+    path: Literal["flat", "whole"]
+    groups: Count
+
+    def record(self) -> dict[str, Any]:
+        """As :func:`zero.checkpoint.optimizer_set.records` gives it."""
+        return {"class": self.class_, "path": self.path, "groups": self.groups}
 
 
 class SavedState(_Strict):
@@ -81,7 +114,7 @@ class SavedState(_Strict):
 class CheckpointMetadata(_Strict):
     """``metadata.json``: the run that saved the checkpoint and where every tensor lies."""
 
-    format: Literal["zero.checkpoint/2"]
+    format: Literal["zero.checkpoint/2", "zero.checkpoint/3"]
     zero_version: str
     torch_version: str
     world_size: Annotated[int, Field(ge=1, le=2**20)]
@@ -93,6 +126,14 @@ class CheckpointMetadata(_Strict):
     aliases: dict[str, str]
     state: SavedState
     files: list[FileRecord]
+    optimizers: list[OptimizerRecord] | None = None  # format 3 (format 2: one flat optimizer_class)
+
+    def optimizer_records(self) -> list[dict[str, Any]]:
+        """The wrapped optimizers, as :func:`zero.checkpoint.optimizer_set.records` gives them (format 2: the
+        one elementwise ``optimizer_class``, over every param group)."""
+        if self.optimizers is None:
+            return [{"class": self.optimizer_class, "path": "flat", "groups": len(self.state.param_groups)}]
+        return [o.record() for o in self.optimizers]
 
     @model_validator(mode="after")
     def _consistent(self) -> "CheckpointMetadata":
@@ -110,18 +151,83 @@ class CheckpointMetadata(_Strict):
                 if offset < 8 or offset + nbytes > file.bytes:
                     raise ValueError(f"entry {key!r} of {file.name} lies at bytes [{offset}, {offset + nbytes}), "
                                      f"outside the file's {file.bytes}")
+        paths = self._check_optimizers()
         for name, tensor in self.tensors.items():
             self._check_pieces(name, tensor, read)
+            self._check_whole_state(name, tensor, paths, read)
         for alias, name in self.aliases.items():
             if name not in self.tensors or alias in self.tensors:
                 raise ValueError(f"alias {alias!r} -> {name!r} must name a stored tensor "
                                  "under a name not stored itself")
-        _check_tree(self.state.model_dump(), self.files[0].entries, read)
+        _check_tree(self.state.model_dump(), _extra_tensor(self.files[0].entries, read))
         unread = [(self.files[f].name, key) for f in range(len(self.files)) for key in self.files[f].entries
                   if (f, key) not in read]
         if unread:
             raise ValueError(f"entries {_cut(unread)} are not read by any tensor's piece")
         return self
+
+    def _check_optimizers(self) -> list[str]:
+        """Format 3 lists the optimizers (their groups: every param group), format 2 has neither them nor whole
+        state; returns each param group's step path."""
+        if self.format == FORMAT:
+            if self.optimizers is not None or any(t.whole_state is not None for t in self.tensors.values()):
+                raise ValueError(f"format {FORMAT!r} holds one elementwise optimizer's state: no 'optimizers' and no "
+                                 f"whole-parameter state (format {OPTIMIZERS_FORMAT!r} has them)")
+            return ["flat"] * len(self.state.param_groups)
+        if not self.optimizers:
+            raise ValueError(f"format {OPTIMIZERS_FORMAT!r} lists the optimizers it was saved with in 'optimizers'")
+        paths = [o.path for o in self.optimizers for _ in range(o.groups)]
+        if len(paths) != len(self.state.param_groups):
+            raise ValueError(f"the optimizers have {len(paths)} param groups in all, but state.param_groups holds "
+                             f"{len(self.state.param_groups)}")
+        classes = " + ".join(o.class_ for o in self.optimizers)
+        if self.optimizer_class != classes:
+            raise ValueError(f"optimizer_class is {self.optimizer_class!r}, not the optimizers' {classes!r}")
+        return paths
+
+    def _check_whole_state(self, name: str, tensor: TensorRecord, paths: list[str],
+                           read: set[tuple[int, str]]) -> None:
+        """Only a parameter of a whole-path optimizer has whole state, and only one of a flat one state per piece;
+        whole state names entries ``o/NAME/...`` of its part, each once, and its tree refers to each of them once."""
+        path = paths[tensor.group] if tensor.trainable and 0 <= tensor.group < len(paths) else None
+        if path != "flat" and any(state for *_, state in tensor.pieces):
+            raise ValueError(f"{name!r} has optimizer state per piece but is not a parameter of an elementwise "
+                             "optimizer")
+        state = tensor.whole_state
+        if state is None:
+            return
+        if path != "whole":
+            raise ValueError(f"{name!r} has whole-parameter optimizer state but is not a parameter of an optimizer "
+                             "stepped on whole parameters")
+        if state.file >= len(self.files):
+            raise ValueError(f"the optimizer state of {name!r} is in file {state.file}, but there are "
+                             f"{len(self.files)}")
+        entries = self.files[state.file].entries
+        for key in state.keys:
+            if not key.startswith(f"o/{name}/") or key not in entries or (state.file, key) in read:
+                raise ValueError(f"the optimizer state of {name!r} names {key!r}, which is not one entry o/{name}/... "
+                                 f"of {self.files[state.file].name} of its own")
+            read.add((state.file, key))
+        for key, order in state.layouts.items():
+            if key not in state.keys or sorted(order) != list(range(len(entries[key][1]))):
+                raise ValueError(f"the optimizer state of {name!r} lays out {key!r} as {order}, which is not an "
+                                 "order of the dimensions of one of its tensors")
+        if not isinstance(state.tree, dict) or {"__tensor__", "__tuple__"} & state.tree.keys():
+            raise ValueError(f"the optimizer state of {name!r} is not a dict")
+        used: set[int] = set()
+
+        def reference(index: Any, path: str) -> None:
+            if type(index) is not int or not 0 <= index < len(state.keys) or index in used:
+                raise ValueError(f"the optimizer state of {name!r} refers to tensor {index!r}, which is not one of "
+                                 f"its {len(state.keys)} keys")
+            if state.keys[index] != f"o/{name}/{path}":
+                raise ValueError(f"the optimizer state of {name!r} holds entry {state.keys[index]!r} at {path!r}, "
+                                 f"not its own (o/{name}/{path})")
+            used.add(index)
+
+        _check_tree(state.tree, reference)
+        if len(used) != len(state.keys):
+            raise ValueError(f"the optimizer state of {name!r} does not refer to each of its {len(state.keys)} keys")
 
     def _check_pieces(self, name: str, tensor: TensorRecord, read: set[tuple[int, str]]) -> None:
         """Each piece names its own entries, of the right dtype and length; together they tile the tensor."""
@@ -162,32 +268,45 @@ class CheckpointMetadata(_Strict):
                              f"{tuple(tensor.shape)}): a gap or an overlap")
 
 
-def _check_tree(value: Any, entries: dict[str, Any], read: set[tuple[int, str]]) -> None:
-    """Every node of an encoded tree is well formed, and each tensor it refers to is an ``x/INDEX`` entry of part 0."""
+def _check_tree(value: Any, reference: Callable[[Any, str], None], path: str = "") -> None:
+    """Every node of an encoded tree is well formed; ``reference(index, path)`` checks each tensor it refers to
+    (``path``: where it is in the tree, as :func:`zero.checkpoint.tree.encode` names it)."""
     if isinstance(value, list):
-        for item in value:
-            _check_tree(item, entries, read)
+        for i, item in enumerate(value):
+            _check_tree(item, reference, f"{path}[{i}]")
         return
     if not isinstance(value, dict):
         return
     if "__tensor__" in value:
-        index = value["__tensor__"]
-        key = f"x/{index}"
-        if set(value) != {"__tensor__"} or type(index) is not int or key not in entries or (0, key) in read:
-            raise ValueError(f"state refers to tensor {index!r}, which is not one stored entry x/INDEX of part 0")
-        read.add((0, key))
+        if set(value) != {"__tensor__"}:
+            raise ValueError("state holds a malformed tensor reference")
+        reference(value["__tensor__"], path)
     elif "__tuple__" in value:
         if set(value) != {"__tuple__"} or not isinstance(value["__tuple__"], list):
             raise ValueError("state holds a malformed tuple")
-        _check_tree(value["__tuple__"], entries, read)
+        _check_tree(value["__tuple__"], reference, path)
     elif "__items__" in value:
         items = value["__items__"]
         if (set(value) != {"__items__"} or not isinstance(items, list)
                 or not all(isinstance(i, list) and len(i) == 2 and not isinstance(i[0], (list, dict)) for i in items)):
             raise ValueError("state holds a malformed dict")
-        _check_tree([v for _, v in items], entries, read)
+        for key, item in items:
+            _check_tree(item, reference, f"{path}[{key!r}]")
     else:
-        _check_tree(list(value.values()), entries, read)
+        for key, item in value.items():
+            _check_tree(item, reference, f"{path}.{key}" if path else key)
+
+
+def _extra_tensor(entries: dict[str, Any], read: set[tuple[int, str]]) -> Callable[[Any, str], None]:
+    """The check of a tensor the saved trees (``state``) refer to: an ``x/INDEX`` entry of part 0, read once."""
+
+    def reference(index: Any, path: str) -> None:
+        key = f"x/{index}"
+        if type(index) is not int or key not in entries or (0, key) in read:
+            raise ValueError(f"state refers to tensor {index!r}, which is not one stored entry x/INDEX of part 0")
+        read.add((0, key))
+
+    return reference
 
 
 def entries_of(file: FileRecord) -> dict[str, Entry]:

@@ -1,22 +1,28 @@
 """The per-rank optimizer checkpoint format: its header, and the checks before loading one.
 
-A shard is ``{**header(...), "optimizer": inner.state_dict()}``. Besides the run (stage, world
-size, rank) and the model's layout, the header records the wrapped optimizer's class and this
-rank's *pieces* (the 1D tensors the wrapped optimizer steps) per param group, in the
-optimizer's order: ``(parameter name, first element within the parameter, numel)``.
-:func:`check_loadable` compares all of it with the run loading the shard and vets every
-state tensor against its piece, so that a mismatched or edited shard is refused before
-anything is loaded into the optimizer.
+A shard is ``{**header(...), "optimizer": inner.state_dict()}`` for one elementwise optimizer. Besides the run
+(stage, world size, rank) and the model's layout, the header records the wrapped optimizer's class and this rank's
+*pieces* (the 1D tensors the wrapped optimizer steps) per param group, in the optimizer's order: ``(parameter name,
+first element within the parameter, numel)``. With several optimizers, or one stepped on whole parameters (Muon,
+Adafactor, ...), it is ``{**header(...), "optimizers": [state_dict, ...]}``, one per wrapped optimizer in order, and
+the header's ``"inners"`` records each one's class, step path and number of param groups
+(:mod:`zero.checkpoint.optimizer_set`) and the tensors it steps here: its pieces (flat), or the whole parameters
+this rank owns, each as ``(name, 0, numel)`` (whole; their state keeps the parameter's shape).
+:func:`check_loadable` compares all of it with the run loading the shard and vets the state against those tensors,
+so that a mismatched or edited shard is refused before anything is loaded into the optimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from zero.runtime.buffers.bucket import LocalPiece
+from zero.checkpoint import optimizer_set
+from zero.checkpoint.optimizer_set import class_name
+from zero.runtime.buffers.bucket import LocalPiece, ParamSlot
 from zero.runtime.buffers.partition import Partition
+from zero.runtime.step.inner import Inner
 
 FORMAT = "zero.shard/2"
 FULL_PRECISION = {"param_dtype": None, "reduce_dtype": None}
@@ -29,12 +35,17 @@ def header(
     world_size: int,
     rank: int,
     partition: Partition,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None = None,
     precision: dict[str, Any] | None = None,
+    inners: Sequence[Inner] | None = None,
+    owned: Sequence[tuple[ParamSlot, torch.Tensor]] = (),
 ) -> dict[str, Any]:
     """What a shard must match to be loaded: format, stage, world size, rank, precision (``param_dtype``,
     ``reduce_dtype``; ``None`` fields: full precision), layout and the wrapped optimizer (``optimizer``:
-    the inner optimizer rebuilt over this rank's pieces, ``ZeroOptimizer.inner``)."""
+    the inner optimizer rebuilt over this rank's pieces, ``ZeroOptimizer.inner``), or with several or a whole one
+    ``inners`` (``runtime.inners``) and the whole parameters this rank owns (``owned``: ``runtime.owners.owned()``)."""
+    described = ({"inner": {"class": class_name(optimizer), "pieces": optimizer_pieces(partition, optimizer)}}
+                 if inners is None else {"inners": inners_record(partition, inners, owned)})
     return {
         "format": FORMAT,
         "stage": stage,
@@ -45,14 +56,23 @@ def header(
             "params": [(s.name, tuple(s.param.shape), str(s.param.dtype)) for s in partition.slots],
             "buckets": [(b.layout.padded_numel, len(b.slots)) for b in partition.buckets],
         },
-        "inner": {"class": class_name(optimizer), "pieces": optimizer_pieces(partition, optimizer)},
+        **described,
     }
 
 
-def class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class with its module, e.g. ``torch.optim.adamw.AdamW``."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
+def inners_record(partition: Partition, inners: Sequence[Inner],
+                  owned: Sequence[tuple[ParamSlot, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Each wrapped optimizer's class, path and groups, and per param group the tensors it steps here."""
+    slot_of = {id(stand_in): slot for slot, stand_in in owned}
+    described = []
+    for inner, record in zip(inners, optimizer_set.records(inners)):
+        if inner.whole:
+            pieces = [[_whole_record(slot_of, t, inner.optimizer, gi) for t in group["params"]]
+                      for gi, group in enumerate(inner.optimizer.param_groups)]
+        else:
+            pieces = optimizer_pieces(partition, inner.optimizer)
+        described.append({**record, "pieces": pieces})
+    return described
 
 
 def optimizer_pieces(partition: Partition, optimizer: torch.optim.Optimizer) -> list[list[PieceRecord]]:
@@ -77,8 +97,18 @@ def check_loadable(saved: Any, here: dict[str, Any]) -> None:
     _compare_run(saved, here)
     _compare_precision(saved, here)
     _compare_layouts(saved["layout"], here["layout"])
-    _compare_inner(saved["inner"], here["inner"])
-    _check_state(saved["optimizer"], here["inner"]["pieces"])
+    if "inner" in saved and "inner" in here:
+        _compare_inner(saved["inner"], here["inner"])
+        _check_state(saved["optimizer"], here["inner"]["pieces"])
+        return
+    saved_inners, states = _inners_of(saved)
+    optimizer_set.check_same(saved_inners, _inners_of(here)[0], "this shard")
+    if len(states) != len(here["inners"]):
+        raise ValueError(f"this shard holds {len(states)} optimizer states for {len(saved_inners)} optimizers; "
+                         "the checkpoint is damaged or was edited")
+    for i, (a, b, state) in enumerate(zip(saved_inners, here["inners"], states)):
+        _compare_pieces([[tuple(p) for p in group] for group in a["pieces"]], b["pieces"], f" of optimizer #{i}")
+        _check_state(state, b["pieces"], whole=b["path"] == "whole")
 
 
 # ----- header checks -----------------------------------------------------------------------------------
@@ -99,7 +129,8 @@ def _check_format(saved: Any) -> None:
         )
     if tag != FORMAT:
         raise ValueError(f"this shard is in format {tag!r}, which this version of zero cannot read ({FORMAT!r})")
-    missing = [k for k in ("stage", "world_size", "rank", "layout", "inner", "optimizer") if k not in saved]
+    optimizers = ("inners", "optimizers") if "inners" in saved else ("inner", "optimizer")
+    missing = [k for k in ("stage", "world_size", "rank", "layout", *optimizers) if k not in saved]
     if missing:
         raise ValueError(f"this {FORMAT} shard lacks {missing}; it is damaged: save it again with state_dict()")
 
@@ -169,19 +200,41 @@ def _compare_inner(saved: dict[str, Any], here: dict[str, Any]) -> None:
             f"this shard was saved with {len(saved_groups)} param groups but the wrapped optimizer has "
             f"{len(here['pieces'])}; build the optimizer with the same param groups as when it was saved"
         )
-    for gi, (a, b) in enumerate(zip(saved_groups, here["pieces"])):
+    _compare_pieces(saved_groups, here["pieces"], "")
+
+
+def _compare_pieces(saved: list[list[PieceRecord]], here: list[list[PieceRecord]], of: str) -> None:
+    """The same tensors in each param group (``of``: which optimizer, in the message)."""
+    for gi, (a, b) in enumerate(zip(saved, here)):
         if a != b:
             raise ValueError(
-                f"param group {gi} held the pieces {_pieces_text(a)} when this shard was saved but holds "
+                f"param group {gi}{of} held the pieces {_pieces_text(a)} when this shard was saved but holds "
                 f"{_pieces_text(b)} now; build the optimizer with the same param groups as when it was saved"
             )
+
+
+def _inners_of(shard: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The optimizers a shard or header describes (one flat ``inner``, or ``inners``) and their states."""
+    if "inner" in shard:
+        inner = shard["inner"]
+        if not isinstance(inner, dict) or not {"class", "pieces"} <= inner.keys():
+            raise ValueError("this shard's 'inner' entry lacks the optimizer class or pieces; it is damaged")
+        return [{**inner, "path": "flat", "groups": len(inner["pieces"])}], [shard.get("optimizer")]
+    inners = shard["inners"]
+    keys = {"class", "path", "groups", "pieces"}
+    if (not isinstance(inners, list) or not inners or not all(isinstance(i, dict) and keys <= i.keys() for i in inners)
+            or not all(i["path"] in optimizer_set.PATHS for i in inners)):
+        raise ValueError("this shard's 'inners' entry is not a list of {class, path, groups, pieces}; it is damaged")
+    states = shard.get("optimizers")
+    return inners, states if isinstance(states, list) else []
 
 
 # ----- state checks --------------------------------------------------------------------------------------
 
 
-def _check_state(inner: Any, pieces: list[list[PieceRecord]]) -> None:
-    """Every state entry belongs to a piece, and every state tensor is 0-dim or exactly its piece's size."""
+def _check_state(inner: Any, pieces: list[list[PieceRecord]], whole: bool = False) -> None:
+    """Every state entry belongs to a piece, and every state tensor is 0-dim or exactly its piece's size (with
+    ``whole``, the pieces are whole parameters, whose state the optimizer shapes as it likes)."""
     if not isinstance(inner, dict) or not isinstance(inner.get("state"), dict):
         raise ValueError("this shard's 'optimizer' entry is not a torch.optim state dict (no 'state' mapping)")
     piece_at = _piece_indices(inner.get("param_groups"), pieces)
@@ -193,7 +246,7 @@ def _check_state(inner: Any, pieces: list[list[PieceRecord]]) -> None:
             )
         if not isinstance(entry, dict):
             raise ValueError(f"the optimizer state of tensor index {index} is a {type(entry).__name__}, not a dict")
-        for name, value in entry.items():
+        for name, value in [] if whole else entry.items():
             _check_state_value(name, value, index, piece_at[index])
 
 
@@ -238,6 +291,18 @@ def _check_state_value(name: Any, value: Any, index: int, piece: PieceRecord) ->
 
 
 # ----- text ---------------------------------------------------------------------------------------------
+
+
+def _whole_record(slot_of: dict[int, ParamSlot], tensor: torch.Tensor, optimizer: torch.optim.Optimizer,
+                  gi: int) -> PieceRecord:
+    """``(parameter name, 0, numel)`` of the owned whole parameter whose stand-in is ``tensor``."""
+    if id(tensor) not in slot_of:
+        raise ValueError(
+            f"param group {gi} of the {class_name(optimizer)} holds a tensor of shape {tuple(tensor.shape)} "
+            "that is not one of this rank's whole parameters; pass the rebuilt optimizers (ZeroOptimizer.optimizers)"
+        )
+    slot = slot_of[id(tensor)]
+    return (slot.name, 0, slot.span.numel)
 
 
 def _record(local_piece: LocalPiece) -> PieceRecord:

@@ -17,25 +17,28 @@ import torch
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def encode(tree: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
-    """The JSON form of ``tree``; its tensors are appended to ``tensors``."""
+def encode(tree: Any, tensors: list[torch.Tensor], path: str = "", paths: list[str] | None = None) -> Any:
+    """The JSON form of ``tree``; its tensors are appended to ``tensors`` (and, with ``paths``, where each one is
+    in the tree to ``paths``: ``key.inner[0]``)."""
     if isinstance(tree, _SCALARS):
         return tree
     if isinstance(tree, torch.Tensor):
         tensors.append(tree.detach())
+        if paths is not None:
+            paths.append(path)
         return {"__tensor__": len(tensors) - 1}
     if isinstance(tree, tuple):
-        return {"__tuple__": [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(tree)]}
+        return {"__tuple__": [encode(v, tensors, f"{path}[{i}]", paths) for i, v in enumerate(tree)]}
     if isinstance(tree, list):
-        return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(tree)]
+        return [encode(v, tensors, f"{path}[{i}]", paths) for i, v in enumerate(tree)]
     if isinstance(tree, dict):
         if all(isinstance(k, str) for k in tree) and not any(k.startswith("__") and k.endswith("__") for k in tree):
-            return {k: encode(v, tensors, f"{path}.{k}" if path else k) for k, v in tree.items()}
+            return {k: encode(v, tensors, f"{path}.{k}" if path else k, paths) for k, v in tree.items()}
         bad = [k for k in tree if not isinstance(k, _SCALARS)]
         if bad:
             raise ValueError(f"cannot save the dict key {bad[0]!r} at {path or 'the top'}: "
                              "keys must be str, int, float, bool or None")
-        return {"__items__": [[k, encode(v, tensors, f"{path}[{k!r}]")] for k, v in tree.items()]}
+        return {"__items__": [[k, encode(v, tensors, f"{path}[{k!r}]", paths)] for k, v in tree.items()]}
     raise ValueError(
         f"cannot save {type(tree).__name__} at {path or 'the top'}: checkpoints hold only dicts, lists, tuples, "
         "strings, numbers, booleans, None and tensors (no pickled objects); convert it to one of those"
