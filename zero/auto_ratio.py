@@ -1,10 +1,12 @@
 """``offload.ratio="auto"``: the planner's partial offload, chosen when :class:`zero.ZeroOptimizer` is built.
 
 The estimator prices one step of this rank (``zero.estimator``: the model's forward and backward traced on fake
-tensors, replayed with the optimizer's own buckets) at each ratio where one more bucket goes to the host, and the
-smallest ratio whose peak fits the budget is taken (``zero.estimator.partial_offload.least_offload``): as much of
-the optimizer side as fits stays on the device and steps there, in parallel with the host's part. Tracing needs the
-loss and one micro-batch, which the constructor does not otherwise have: :class:`StepExample` carries them.
+tensors, replayed with the optimizer's own buckets, and the wrapped optimizers' steps, one or several, each on the
+path it steps on: a whole-parameter optimizer's state and step on the rank that owns the parameter) at each ratio
+where one more bucket goes to the host, and the smallest ratio whose peak fits the budget is taken
+(``zero.estimator.partial_offload.least_offload``): as much of the optimizer side as fits stays on the device and
+steps there, in parallel with the host's part. Tracing needs the loss and one micro-batch, which the constructor does
+not otherwise have: :class:`StepExample` carries them.
 
 The budget is ``offload.gpu_memory`` if given, else what the device can give this process when the optimizer is
 built (``torch.cuda.mem_get_info()``'s free bytes plus what torch's caching allocator already holds, the model's
@@ -19,6 +21,7 @@ from __future__ import annotations
 import copy
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -31,7 +34,7 @@ from zero.estimator.estimator import HEADROOM
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.workload import POLICIES
 from zero.runtime.build import model_device
-from zero.runtime.step.inner import same_kind
+from zero.runtime.step.inner import as_list, same_kind
 from zero.sizes import format_bytes
 
 
@@ -45,7 +48,7 @@ class StepExample:
     batch: tuple
 
 
-def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimizer: torch.optim.Optimizer,
+def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimizer: Any,
                    model: nn.Module, example: StepExample | None, process_group: Any,
                    device: torch.device | str | None) -> ZeroConfig:
     """``config`` with ``overrides`` applied, and ``offload.ratio="auto"`` replaced by the ratio chosen for
@@ -64,7 +67,8 @@ def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimiz
     say = comm.rank == 0
     # every rank prices its own budget; the most offload any rank needs is taken everywhere (the buckets' placements,
     # hence their step order, must agree), and an error on one rank is raised on all
-    ratios = comm.everywhere(lambda: auto_ratio(config, optimizer, model, example, comm.world_size, comm.device, say),
+    ratios = comm.everywhere(lambda: auto_ratio(config, optimizer, model, example, comm.world_size, comm.device, say,
+                                                rank=comm.rank),
                              "choosing offload.ratio='auto'", share=True)
     if say and len(set(ratios)) > 1:
         _say(f"offload.ratio='auto': the ranks' budgets differ (ratios {sorted(set(ratios))}); every rank takes "
@@ -72,10 +76,12 @@ def resolve_config(config: ZeroConfig | None, overrides: dict[str, Any], optimiz
     return config.model_copy(update={"offload": config.offload.model_copy(update={"ratio": max(ratios)})})
 
 
-def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.Module, example: StepExample | None,
-               world_size: int, device: torch.device, say: bool = True) -> float:
+def auto_ratio(config: ZeroConfig, optimizer: Any, model: nn.Module, example: StepExample | None,
+               world_size: int, device: torch.device, say: bool = True, rank: int | None = None) -> float:
     """The smallest ``offload.ratio`` whose estimated peak fits this rank's budget (see the module docstring); with
-    ``say``, says which and why on stderr."""
+    ``say``, says which and why on stderr. ``optimizer``: what ``ZeroOptimizer`` wraps, one optimizer or a list, each
+    priced on the path it steps on (``zero.estimator.optimizers``); ``rank``: the rank priced (default: the worst, as
+    ``zero.estimate`` chooses it; ranks differ with optimizers stepped on whole parameters)."""
     if example is None:
         raise ValueError(
             "offload.ratio='auto' prices the step with the estimator, which needs the loss and one micro-batch: pass "
@@ -88,7 +94,9 @@ def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.M
             f"precision={config.precision.model_dump(exclude_defaults=True)}; set offload.ratio to a number")
     budget = HEADROOM * _device_memory(config, device)
     workload = Workload(build=lambda: _fake_copy(model, device), loss=example.loss, batch=lambda micro: example.batch,
-                        optimizer=lambda params: same_kind(optimizer, params))
+                        optimizers=partial(_same_optimizers, optimizer, model),
+                        elementwise_optimizers=config.elementwise_optimizers,
+                        per_parameter_optimizers=config.per_parameter_optimizers)
     checkpointing = config.activation_checkpointing if config.activation_checkpointing is not None else False
     if say:
         _say(f"offload.ratio='auto': pricing one step at each ratio (budget {format_bytes(budget)})")
@@ -98,7 +106,7 @@ def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.M
                         offload="cpu", params_offload=config.offload.params, checkpointing=checkpointing,
                         bucket_size_mb=config.bucket_size_mb, max_in_flight_buckets=config.max_in_flight_buckets,
                         prefetch_units=config.prefetch_units, communication=config.communication,
-                        offload_ratio=ratio)
+                        offload_ratio=ratio, rank=rank)
 
     full = priced(1.0)
     if full.peak > budget:
@@ -113,6 +121,24 @@ def auto_ratio(config: ZeroConfig, optimizer: torch.optim.Optimizer, model: nn.M
         _say(f"offload.ratio='auto' -> {chosen.offload_ratio:.4g}: estimated peak {format_bytes(chosen.peak)} of the "
          f"budget {format_bytes(budget)} (less offload would not fit; full offload: {format_bytes(full.peak)})")
     return chosen.offload_ratio
+
+
+def _same_optimizers(optimizers: Any, model: nn.Module, fake: nn.Module) -> list[torch.optim.Optimizer]:
+    """``optimizers`` (one or a list, over ``model``'s parameters) rebuilt over the same parameters of ``fake`` (its
+    copy), with the same classes, defaults and groups."""
+    fakes = dict(fake.named_parameters())
+    names = {p: name for name, p in model.named_parameters()}
+    rebuilt = []
+    for optimizer in as_list(optimizers):
+        groups = []
+        for group in getattr(optimizer, "param_groups", []):  # (ZeroOptimizer's own checks name what is not one)
+            if any(p not in names for p in group["params"]):
+                raise ValueError("the optimizer holds a parameter that is not in the model passed to ZeroOptimizer. "
+                                 "Build the optimizer from model.parameters() of the same model you pass in.")
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [fakes[names[p]] for p in group["params"]]})
+        rebuilt.append(same_kind(optimizer, groups) if groups else optimizer)
+    return rebuilt
 
 
 def _device_memory(config: ZeroConfig, device: torch.device) -> float:

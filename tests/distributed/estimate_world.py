@@ -4,6 +4,12 @@ process group (collectives return at once; every byte rank 0 holds is real).
 Run in its own process (``python -m tests.distributed.estimate_world N [FILTER]``): it initializes the default
 process group. Prints one JSON line: for each model, stage and micro-batch, the measured peak (the
 allocator's, less what the process held before) and the estimate, with both breakdowns.
+
+``python -m tests.distributed.estimate_world optimizers N RANK`` is rank RANK of a world of N instead (the fake
+process group runs any rank), training with optimizers stepped on whole parameters (issue 42): Muon on the blocks'
+matrices with AdamW on the rest, and Adafactor; each rank's peak against the estimate of that rank, and the rank the
+estimator prices by default (the worst of the rank holding the most optimizer state and the one owning the most
+whole-parameter elements).
 """
 
 from __future__ import annotations
@@ -149,12 +155,15 @@ def estimated(e) -> dict:
 
 def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", checkpointing: bool = False,
             no_sync: bool = False, communication: dict | None = None, bucket_size_mb: float = 25,
-            every_op: bool = False) -> dict:
+            every_op: bool = False, optimizers=None, inspect=None) -> dict:
+    """The measured peak of two steps (:func:`measured`); ``optimizers(model)``: what ``ZeroOptimizer`` wraps (default
+    AdamW); ``inspect(prof, opt)``: more of the run to return, under ``"inspected"``."""
     gc.collect()
     torch.manual_seed(0)
     model = build()
     extra = {"activation_checkpointing": {}} if checkpointing else {}
-    opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage,
+    wrapped = optimizers(model) if optimizers is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = zero.ZeroOptimizer(wrapped, model, stage=stage,
                              precision=POLICIES[precision], communication=communication or {},
                              bucket_size_mb=bucket_size_mb, **extra)
     with zero.profile(model, opt, every_op=every_op) as prof:
@@ -166,6 +175,8 @@ def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", check
             opt.step()
             opt.zero_grad()
     result = measured(prof)
+    if inspect is not None:
+        result["inspected"] = inspect(prof, opt)
     del prof, opt, model
     gc.collect()
     return result
@@ -206,5 +217,70 @@ def main(world_size: int, only: str = "") -> None:
     dist.destroy_process_group()
 
 
+def _muon_adamw(model: nn.Module) -> list:
+    """torch's recipe: Muon on the hidden matrices (the blocks' 2-D weights), AdamW on embeddings, norms and biases."""
+    hidden = [p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")]
+    rest = [p for name, p in model.named_parameters() if not (p.ndim == 2 and name.startswith("blocks."))]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+
+
+# optimizers stepped on whole parameters, on the wide GPT (its parameters, and so the owner step's whole tensors and
+# exchange buffers, make the peak) at every stage, and under mixed precision and on the small GPT (activations make
+# the peak) at stage 2
+WHOLE_OPTIMIZERS = {"muon+adamw": _muon_adamw, "adafactor": lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2)}
+WHOLE_RUNS = [("gpt-wide", stage, {}) for stage in STAGES] + [("gpt-wide", 2, {"precision": "mixed-fp32-reduce"}),
+                                                                ("gpt", 2, {})]
+
+
+def _attribution(prof, opt) -> dict:
+    """What the profiler attributes to optimizer state after the last step, against every wrapped optimizer's state
+    (unique storages), its labels there, and the largest gap to the allocator's figure over the run."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for inner in opt.optimizers
+                for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
+    last = prof.samples[-1]
+    return {"profiled": last.categories["optimizer_state"], "held": sum(storages.values()),
+            "labels": sorted(label for label in last.labels if label.startswith("optimizer_state/")),
+            "unexplained": max(abs(s.unexplained) for s in prof.samples)}
+
+
+def whole_optimizers_main(world_size: int, rank: int) -> None:
+    """Rank ``rank`` of a world of ``world_size`` (torch's fake process group): one JSON line, for each optimizer set
+    and run of :data:`WHOLE_RUNS` at the first micro-batch, the measured peak, the estimate of this rank and the rank
+    the estimator prices by default, the owner step's all-to-alls (calls and elements sent, counted and estimated);
+    with Muon and AdamW at stage 2, the profiler's attribution (:func:`_attribution`)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    out = {}
+    for name, optimizers in WHOLE_OPTIMIZERS.items():
+        for model, stage, variant in WHOLE_RUNS:
+            if stage == 0 and (rank, world_size) != (0, 2):  # (one shard: every rank of every world holds the same)
+                continue
+            build, loss_fn, make_batch = MODELS[model]
+            workload = Workload(build, loss_fn, make_batch, optimizers=optimizers)
+            torch.manual_seed(MICRO_BATCHES[0])
+            attribution = (name, stage, variant) == ("muon+adamw", 2, {})
+
+            def inspect(prof, opt, attribution=attribution) -> dict:
+                exchanged = opt.comm_stats.get("all_to_all", {})
+                return {"all_to_all": [exchanged.get("calls", 0), exchanged.get("numel", 0)],
+                        **(_attribution(prof, opt) if attribution else {})}
+
+            run = measure(build, loss_fn, make_batch(MICRO_BATCHES[0]), stage, optimizers=optimizers, inspect=inspect,
+                          **variant)
+            e = estimate(workload, stage=stage, world_size=world_size, micro_batch=MICRO_BATCHES[0], rank=rank,
+                         **variant)
+            chosen = estimate(workload, stage=stage, world_size=world_size, micro_batch=MICRO_BATCHES[0], **variant)
+            exchanged = e.traffic.comm_stats().get("all_to_all", {})
+            out[f"{name}/{key(model, stage, MICRO_BATCHES[0], variant)}"] = {
+                **run, **estimated(e), "rank": e.rank, "chosen": chosen.rank, "chosen_peak": chosen.peak,
+                "estimated_all_to_all": [exchanged.get("calls", 0), exchanged.get("numel", 0)]}
+    print(json.dumps(out))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), *sys.argv[2:])
+    if sys.argv[1] == "optimizers":
+        whole_optimizers_main(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main(int(sys.argv[1]), *sys.argv[2:])

@@ -11,6 +11,13 @@ ranks is ``benchmarks/estimate_scale.py``.)
 World sizes 1, 2 and 3 run by default (a minute or two each on 2 cores), and 4 for hierarchy (seconds);
 ``pytest --quick`` runs none (``full_only``).
 
+Optimizers stepped on whole parameters (issue 42: Muon on the hidden matrices with AdamW on the rest, and
+Adafactor), on every rank of worlds of 2 and 3 (``estimate_world optimizers N RANK``, a process per rank, about a
+minute and a half each): each rank's estimate within 2% of its measured peak (measured: 0.99996-1.00000), the rank
+priced by default has the world's largest measured peak within 2%, and its estimate is that peak within 2%, and the
+profiler attributes every byte of the wrapped optimizers' state, Muon's momentum matrices included, to
+``optimizer_state``.
+
 Measured means the allocator's peak (PyTorch's CPU allocator, read through the profiler) over what the
 process held when the run started. The estimate must be within 5% of it, at every point of the matrix, and within
 1% with the quantized codecs (whose packets are 3-5% of the wide GPT's peak: leaving them out fails).
@@ -24,6 +31,7 @@ measured 0.958-0.964 at every stage and world size).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.estimate_world import (
     COMMUNICATION,
@@ -34,6 +42,8 @@ from tests.distributed.estimate_world import (
     PARTIAL,
     STAGES,
     VARIANTS,
+    WHOLE_OPTIMIZERS,
+    WHOLE_RUNS,
     key,
     stages,
 )
@@ -85,3 +95,69 @@ def test_hierarchical_quantized_estimates_are_within_one_percent(worlds):
     assert set(runs) == {key("gpt-wide", stage, MICRO_BATCHES[0], v) for v in HIERARCHICAL for stage in stages(v)}
     for case, run in runs.items():
         assert 0.99 <= run["estimated"] / run["measured"] <= 1.01, (case, run)
+
+
+WHOLE_WORLDS = (2, 3)
+needs_whole_optimizers = pytest.mark.skipif(
+    getattr(torch.optim, "Muon", None) is None or getattr(torch.optim, "Adafactor", None) is None,
+    reason="torch.optim.Muon and Adafactor need torch >= 2.9")
+
+
+@pytest.fixture(scope="module")
+def whole_ranks() -> dict[tuple[int, int], dict]:
+    """(world size, rank) -> that rank's runs with whole-parameter optimizers."""
+    return {(n, rank): run_module("tests.distributed.estimate_world", "optimizers", str(n), str(rank), timeout=900)
+            for n in WHOLE_WORLDS for rank in range(n)}
+
+
+def _whole_cases(world_size: int, rank: int) -> set[str]:
+    return {f"{name}/{key(model, stage, MICRO_BATCHES[0], variant)}" for name in WHOLE_OPTIMIZERS
+            for model, stage, variant in WHOLE_RUNS if stage or (rank, world_size) == (0, 2)}
+
+
+@needs_whole_optimizers
+def test_whole_parameter_optimizers_are_estimated_within_two_percent_on_every_rank(whole_ranks):
+    """Muon with AdamW, and Adafactor: each rank's state where it lives (Muon's momentum matrices and Adafactor's row
+    and column statistics on the owner), and the owner step's whole tensors and exchange buffers; the estimate's
+    traffic counts the owner step's all-to-alls as ``opt.comm_stats`` does (none with one shard)."""
+    for (world_size, rank), runs in whole_ranks.items():
+        assert set(runs) == _whole_cases(world_size, rank)
+        for case, run in runs.items():
+            assert run["rank"] == rank, case
+            assert 0.98 <= run["estimated"] / run["measured"] <= 1.02, (world_size, rank, case, run)
+            assert run["estimated_categories"]["optimizer_state"] == pytest.approx(
+                run["categories"]["optimizer_state"], abs=64), (world_size, rank, case)
+            assert run["estimated_all_to_all"] == run["inspected"]["all_to_all"], (world_size, rank, case)
+            assert run["estimated_all_to_all"][0] == (2 if "/0/" not in case else 0), case
+
+
+@needs_whole_optimizers
+def test_the_rank_priced_by_default_has_the_largest_peak(whole_ranks):
+    """The worse of the rank holding the most optimizer state and the one owning the most whole-parameter elements:
+    its measured peak is the world's largest, and so is its estimate, within 2%; the ranks differ (the choice means
+    something)."""
+    differ = 0  # cases whose ranks' peaks differ by more than 2%
+    for world_size in WHOLE_WORLDS:
+        ranks = [whole_ranks[world_size, rank] for rank in range(world_size)]
+        for case in _whole_cases(world_size, world_size - 1):  # (stages 1-3)
+            runs = [runs[case] for runs in ranks]
+            (chosen,) = {run["chosen"] for run in runs}
+            peaks = [run["measured"] for run in runs]
+            assert runs[chosen]["measured"] >= 0.98 * max(peaks), (world_size, case, peaks, chosen)
+            assert 0.98 <= runs[0]["chosen_peak"] / max(peaks) <= 1.02, (world_size, case, peaks)
+            differ += max(peaks) > 1.02 * min(peaks)
+    assert differ >= 5
+
+
+@needs_whole_optimizers
+def test_the_profiler_attributes_whole_parameter_state_to_the_optimizer(whole_ranks):
+    """Muon with AdamW at stage 2: the memory report's optimizer state after the last step is every wrapped
+    optimizer's state (momentum matrices, exp_avg and exp_avg_sq, step counts), and the report adds up."""
+    for (world_size, rank), runs in whole_ranks.items():
+        for case, run in runs.items():
+            if not case.startswith("muon+adamw/") or "/2/" not in case or "precision" in case:
+                continue
+            seen = run["inspected"]
+            assert seen["profiled"] == seen["held"] > 0, (world_size, rank, case, seen)
+            assert {"optimizer_state/momentum_buffer", "optimizer_state/exp_avg"} <= set(seen["labels"]), seen
+            assert seen["unexplained"] <= 1024, (world_size, rank, case, seen)

@@ -95,13 +95,15 @@ def test_the_step_trace_prices_the_wrapped_optimizer():
     temporaries (AdamW's per-tensor step: sqrt and division of the largest piece) are what the fake step made."""
     workload = _gpt_workload()
     layout = workload.layout(1, 2)
+    buckets = [b for b in layout.buckets if b.params]
     adam = workload.step(layout)
-    assert adam.state_per_element == 8 and adam.state_per_piece == 4
-    largest = max(p for b in layout.buckets for p in b.pieces)
-    assert 8 * largest <= adam.update < 9 * largest
+    for b in buckets:
+        assert adam.state([b]) == 8 * sum(b.pieces) + 4 * len(b.pieces)
+    largest = max(p for b in buckets for p in b.pieces)
+    assert 8 * largest <= adam.update < 9 * largest and adam.whole == 0
     sgd = Workload(lambda: GPT(SMALL), _gpt_loss, lambda m: synthetic_batch(0, m, SMALL),
                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)).step(layout)
-    assert sgd.state_per_element == 4 and sgd.state_per_piece == 0 and sgd.adopt == 0
+    assert sgd.state(buckets) == 4 * sum(sum(b.pieces) for b in buckets) and sgd.adopt == 0
 
 
 @pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)

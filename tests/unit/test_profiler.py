@@ -59,6 +59,44 @@ def test_zero_buffers_are_named_by_the_optimizer():
     assert any(m.startswith("blocks.") for m in prof.peak.modules)
 
 
+class _Factored(torch.optim.Optimizer):
+    """SGD that keeps a list of per-dimension factors per parameter (as SOAP's preconditioners are kept)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("factors", [torch.zeros(n) for n in p.shape])
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.skipif(getattr(torch.optim, "Adafactor", None) is None, reason="torch.optim.Adafactor needs torch >= 2.5")
+def test_state_held_in_lists_and_on_whole_parameters_is_optimizer_state():
+    """A plain optimizer's state in lists of tensors, and a ZeroOptimizer's whole-parameter state (Adafactor's row and
+    column statistics, on the stand-ins of the parameters this rank owns; issue 42): after the last step the report's
+    optimizer state is exactly what the optimizers hold."""
+    def held(optimizers) -> int:
+        return sum(t.untyped_storage().nbytes() for o in optimizers for state in o.state.values()
+                   for value in state.values() for t in (value if isinstance(value, list) else [value])
+                   if isinstance(t, torch.Tensor))
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    factored = _Factored(model.parameters())
+    end = _train(model, factored).samples[-1]
+    assert end.categories["optimizer_state"] == held([factored]) == 4 * sum(sum(p.shape) for p in model.parameters())
+    model = GPT(TINY)
+    opt = zero.ZeroOptimizer(torch.optim.Adafactor(model.parameters()), model, stage=2)
+    prof = _train(model, opt)
+    assert prof.samples[-1].categories["optimizer_state"] == held(opt.optimizers) > 0
+    assert {"optimizer_state/row_var", "optimizer_state/col_var"} <= set(prof.samples[-1].labels)
+    assert max(abs(s.unexplained) for s in prof.samples) <= 0.01 * prof.allocator.peak
+
+
 def test_report_json_and_plot(tmp_path):
     torch.manual_seed(0)
     model = GPT(TINY)

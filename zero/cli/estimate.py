@@ -161,6 +161,9 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
     print(f"\nper-rank peak, {args.precision} precision, {_ranks(args)}{_quantized(args)}, "
           f"budget {format_bytes(budget)} ({HEADROOM:.0%} of {format_bytes(args.gpu_memory)}){host}")
+    if work.assignment().several_or_whole:  # (each rank holds different optimizer state: the worst one is shown)
+        print("(several optimizers, or one stepped on whole parameters: the ranks differ, and each configuration is\n"
+              " priced on its worst rank, `rank` in --json)")
     shown = result.fits[: args.show]
     if shown:
         print(f"\nfits, best first ({len(result.fits)}):")
@@ -180,8 +183,9 @@ def _plan_and_print(args: argparse.Namespace) -> int:
             print(f"  {_label(e):<44} {why}")
     first = shown[0] if shown else rejected[0][0] if rejected else None
     if first is not None:
-        print(f"\ntraffic per step of the {'first' if shown else 'smallest'} ({_label(first)}; rank 0's bytes on "
-              "the wire, as opt.comm_stats counts them):")
+        which = "first" if shown else "smallest"
+        print(f"\ntraffic per step of the {which} ({_label(first)}; rank {first.rank}'s bytes on the wire, as "
+              "opt.comm_stats counts them):")
         _traffic_table(first)
     if args.json:
         data = {"fits": [{**e.as_dict(), "zero_config": zero_config_kwargs(e)} for e in result.fits],

@@ -1,4 +1,4 @@
-"""Pre-flight memory estimates: rank 0's peak bytes for a model at any stage, world size and micro-batch.
+"""Pre-flight memory estimates: one rank's peak bytes for a model at any stage, world size and micro-batch.
 
 Nothing is allocated. :func:`estimate` takes a :class:`~zero.estimator.Workload` (the model, the loss
 as the training loop computes it, and its batches), traces one forward, loss and backward on fake
@@ -6,13 +6,19 @@ tensors with live bytes after every operator (:mod:`zero.estimator.timeline`: wh
 releases, operator temporaries, gradients as they are created and accumulated), then replays that
 timeline with the configuration's buffer schedule (:mod:`zero.estimator.schedule`: the buckets and
 units ``ZeroOptimizer`` would build, gathering and prefetch at stage 3, reduction staging and gradient
-shards at stages 2-3, persistent gradient buckets at stages 0-1) and with a traced step of the wrapped
-optimizer. The peak is reported by the memory tracker's categories with the phase, module and event
-where it happens, so that an estimate and a ``zero.profile`` measurement read side by side.
+shards at stages 2-3, persistent gradient buckets at stages 0-1) and with traced steps of the wrapped
+optimizers, each priced where its state lives (:mod:`zero.estimator.optimizers`: a flat optimizer's on every rank's
+pieces, a whole-parameter optimizer's, such as Muon's or Adafactor's, on the rank that owns the parameter). The rank
+priced is rank 0, or with several or whole-parameter optimizers the one with the higher peak of the rank holding
+the most optimizer state and the rank owning the most whole-parameter elements (the ranks differ), or the rank asked
+for. The peak is reported
+by the memory tracker's categories with the phase, module and event where it happens, so that an estimate and a
+``zero.profile`` measurement read side by side.
 
 Checked against ``zero.profile`` on the same configuration (``tests/distributed/test_estimate_world.py``):
 the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``, a CNN, at stages 0-3,
-world sizes 1-3 and two micro-batches, and a 1.1B GPT at stage 3 on 64 simulated ranks. What it
+world sizes 1-3 and two micro-batches, Muon with AdamW and Adafactor at stages 0-3 on every rank of worlds of 2
+and 3 (``estimate_world optimizers``), and a 1.1B GPT at stage 3 on 64 simulated ranks. What it
 cannot see: buffers that kernels allocate inside themselves (e.g. CPU bf16 matmuls), which fake
 tensors do not run, and those collectives allocate for themselves (NCCL's are outside PyTorch's
 allocator; gloo's are reported by the tracker as ``communication/collective internals``).
@@ -30,14 +36,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from zero.activations import MATMULS
+from zero.estimator.census import Trace, trace  # noqa: F401 - re-exported (zero.estimator.trace)
 from zero.estimator.codec_memory import CodecMemory
-from zero.estimator.failure import describe_failure
 from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
+from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.schedule import Options, replay
 from zero.estimator.traffic import (
@@ -52,7 +54,6 @@ from zero.estimator.traffic import (
 from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
 from zero.precision import DTYPES, MixedPrecision
-from zero.runtime.buffers.units import plan_units
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
 HEADROOM = 0.9  # the share of the device a plan fills; the rest is the allocator's and the CUDA context's
@@ -95,105 +96,9 @@ def model_states(numel: int, world_size: int, stage: int, precision: str | Preci
 
 
 @dataclass(frozen=True)
-class Trace:
-    """What one fake forward found (for one micro-batch)."""
-
-    numel: int
-    activation_bytes: int  # saved for backward, parameters excluded
-    unit_activation_bytes: dict[str, int]  # saved while each unit's forward ran (outermost first)
-    unit_input_bytes: dict[str, int]  # what activation checkpointing keeps per unit
-    unit_matmul_bytes: dict[str, int] = field(default_factory=dict)  # matmul outputs per unit (selective checkpointing)
-
-
-def trace(build_fn: Callable[[], nn.Module], loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Trace:
-    """Build the model and run ``loss_fn(model, *batch)`` on fake tensors (no memory is used).
-
-    ``batch`` holds real tensors or shapes' worth of example inputs; they are faked too.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            model = build_fn()
-            fake_batch = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
-            return _trace_fake(model, loss_fn, fake_batch)
-    except Exception as err:  # a model or loss that cannot run without data
-        raise ValueError(describe_failure("tracing the model", err)) from err
-
-
-def _trace_fake(model: nn.Module, loss_fn, batch: tuple) -> Trace:
-    params = list(model.parameters())
-    param_storages = {p.untyped_storage()._cdata for p in params}
-    units = plan_units(model, [p for p in params if p.requires_grad], unit_classes=None, unit_size_bytes=None)
-    saved: dict[int, int] = {}
-    per_unit: dict[str, int] = {u.name: 0 for u in units}
-    inputs: dict[str, int] = {u.name: 0 for u in units}
-    stack = [""]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
-        if key not in param_storages and key not in saved:
-            saved[key] = t.untyped_storage().nbytes()
-            per_unit[stack[-1]] += saved[key]
-        return t
-
-    matmuls: dict[str, int] = {u.name: 0 for u in units}
-    hooks = []
-    for unit in units:
-        if unit.name:
-            hooks.append(unit.module.register_forward_pre_hook(_enter(stack, inputs, unit.name)))
-            hooks.append(unit.module.register_forward_hook(_leave(stack)))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _MatmulOutputs(stack, matmuls):
-            loss = loss_fn(model, *batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if loss.grad_fn is None:
-        raise ValueError("loss_fn returned a tensor with no gradient: nothing to train")
-    return Trace(
-        numel=sum(p.numel() for p in params if p.requires_grad),
-        activation_bytes=sum(saved.values()),
-        unit_activation_bytes=per_unit,
-        unit_input_bytes=inputs,
-        unit_matmul_bytes=matmuls,
-    )
-
-
-class _MatmulOutputs(TorchDispatchMode):
-    """Adds the bytes of each matmul's output to the unit running it (what selective checkpointing saves)."""
-
-    def __init__(self, stack: list[str], totals: dict[str, int]):
-        super().__init__()
-        self.stack, self.totals = stack, totals
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in MATMULS and self.stack[-1] in self.totals:
-            tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
-            self.totals[self.stack[-1]] += sum(t.numel() * t.element_size() for t in tensors)
-        return out
-
-
-def _enter(stack: list[str], inputs: dict[str, int], name: str):
-    def enter(module: nn.Module, args: Any) -> None:
-        stack.append(name)
-        inputs[name] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-
-    return enter
-
-
-def _leave(stack: list[str]):
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        stack.pop()
-
-    return leave
-
-
-@dataclass(frozen=True)
 class Estimate:
-    """Rank 0's peak bytes of one training step, by the tracker's categories, and where it happens; and the step's
-    traffic."""
+    """One rank's (``rank``'s) peak bytes of one training step, by the tracker's categories, and where it happens;
+    and the step's traffic."""
 
     stage: int
     world_size: int
@@ -215,6 +120,7 @@ class Estimate:
     group_size: int = 0  # ranks the model states are sharded over: world_size, or HSDP's shard_size
     secondary_size: int = 0  # hpZ: ranks of a group holding the secondary copies (shard_size), else 0
     traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
+    rank: int = 0  # the rank priced: the one asked for, else the worst (see estimate()), else 0
 
     @property
     def peak(self) -> float:
@@ -250,8 +156,9 @@ def estimate(
     buffer_count: int = 2,
     communication: CommunicationArg = None,
     offload_ratio: float = 1.0,
+    rank: int | None = None,
 ) -> Estimate:
-    """Rank 0's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
+    """One rank's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
     ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
     (:mod:`zero.estimator.timeline`) replayed with the stage's buffer schedule (:mod:`zero.estimator.schedule`).
 
@@ -279,6 +186,11 @@ def estimate(
     step's collectives, what ``opt.comm_stats`` counts (by kind, wire dtype and level: ``"intra"`` among the ranks the
     parameters are sharded over, the whole world without hierarchy and with hpZ, ``"inter"`` across HSDP's groups,
     ``"hpz"`` inside hpZ's groups; :mod:`zero.estimator.traffic`).
+    ``rank``: the rank priced (``Estimate.rank``). By default rank 0, or, with several optimizers or one stepped on
+    whole parameters (``Workload(optimizers=...)``: Muon, Adafactor, ...), where the ranks differ (each whole
+    parameter's state lives on its owner, which also holds its whole gradient and master during the step), the
+    higher peak of two: the rank holding the most optimizer state and the rank owning the most whole-parameter
+    elements.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
@@ -289,13 +201,23 @@ def estimate(
     policy, group = communication_policy(communication, world_size)
     check_stage(policy, stage)
     secondary = secondary_size(policy, world_size)
-    layout = workload.layout(stage, group, precision, bucket_size_mb, choice, secondary_shards=max(1, secondary))
-    peak = replay(
-        workload.timeline(micro_batch, precision, checkpointing),
-        layout,
-        workload.step(layout, precision),
-        Options(choice, max_in_flight_buckets, prefetch_units, no_sync, CodecMemory.of(policy, group, world_size)),
-    )
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank must be a whole number from 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
+    options = Options(choice, max_in_flight_buckets, prefetch_units, no_sync, CodecMemory.of(policy, group, world_size))
+    timeline = workload.timeline(micro_batch, precision, checkpointing)
+
+    def priced(shard: int | None) -> tuple[Any, Any]:
+        layout = workload.layout(stage, group, precision, bucket_size_mb, choice, secondary_shards=max(1, secondary),
+                                 rank=shard)
+        return layout, replay(timeline, layout, workload.step(layout, precision), options)
+
+    layout, peak = priced(rank)
+    for shard in layout.owners.rivals() if rank is None else ():  # (the larger peak of the two)
+        other = priced(shard)
+        if other[1].total > peak.total:
+            layout, peak = other
+    owners = layout.owners
+    exchange = (owners.exchanged, master_dtype(POLICIES[precision])) if owners.num_shards > 1 else None
     return Estimate(
         stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=choice.offloaded,
         checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
@@ -303,7 +225,8 @@ def estimate(
         params_offload=choice.params, buffer_count=choice.buffer_count, offload_ratio=choice.ratio,
         communication_config=policy.model_dump(exclude_defaults=True), group_size=group, secondary_size=secondary,
         traffic=step_traffic(stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy, group,
-                             world_size, regathers=peak.regathers, secondary=secondary),
+                             world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
+        rank=rank if rank is not None else owners.shard,
     )
 
 
@@ -350,6 +273,8 @@ def plan(
     budget = headroom * gpu_memory
     stages = stages_for(communication_policy(communication, world_size)[0], STAGES)  # (and shard_size divides it)
     offloads = OFFLOADS if host_memory is not None else OFFLOADS[:2]
+    if workload.assignment().several_or_whole:  # (offload to disk pages one elementwise optimizer's state)
+        offloads = tuple(o for o in offloads if o != "disk")
     fits, rejected = [], []
     for micro in micro_batches:
         for checkpointing in (False, True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import traceback
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,3 +75,19 @@ def _internal(path: str) -> bool:
 def _short(path: str) -> str:
     """A torch file relative to torch's folder (``torch/nn/functional.py``), any other as it is."""
     return os.path.join("torch", path[len(_TORCH) + 1:]) if path.startswith(_TORCH) else path
+
+
+class explained:
+    """Turns a failure while tracing into a ``ValueError`` that says what was being done, where it failed and what
+    to check (:func:`describe_failure`)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, ValueError):
+            return False
+        raise ValueError(describe_failure(self.what, exc)) from exc

@@ -2,7 +2,7 @@
 
 The trace has the model's own bytes after every operator: what autograd saves, operator temporaries
 and autograd's gradients (every ``p.grad`` starting as ``None``). This module adds what
-``ZeroOptimizer`` holds for rank 0 of ``world_size`` ranks, and when, using the buckets and units
+``ZeroOptimizer`` holds for one rank of ``world_size`` ranks, and when, using the buckets and units
 the optimizer itself would build (``zero.runtime.buffers.partition.build_partition`` on the fake model):
 
 * parameters: whole buckets (stages 0-2); at stage 3 the shards plus the units gathered at that point, as the
@@ -15,8 +15,9 @@ the optimizer itself would build (``zero.runtime.buffers.partition.build_partiti
   ``1/N`` chunk as the gradient shard;
 * what quantized collectives hold besides (``communication``): their packets while in flight, and the slices they
   encode and decode through (:mod:`zero.estimator.codec_memory`);
-* optimizer state, master weights and the step's own temporaries, from a traced step of the wrapped
-  optimizer on one bucket's chunk (``StepTrace``), and after the step of every bucket;
+* optimizer state, master weights and the step's own temporaries, from traced steps of the wrapped optimizers
+  (``StepTrace``: the flat ones on the rank's pieces, the whole-parameter ones on the whole parameters it owns, and
+  the owner step's whole tensors and exchange buffers), and after the step of every bucket;
 
 and reports the largest total over the step with its breakdown (the tracker's categories). What offload keeps
 off the device is reported beside it (:mod:`zero.estimator.offloading`): host memory and the offload file.
@@ -30,6 +31,7 @@ from typing import Callable, Iterable
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.gathering import gathering as replay_gathering
 from zero.estimator.offloading import OffBytes, OffloadChoice, window
+from zero.estimator.optimizers import Ownership
 from zero.estimator.timeline import Point, Timeline
 from zero.estimator.traffic import Wire
 from zero.runtime.reduction.reduction_order import ReductionOrder
@@ -37,7 +39,7 @@ from zero.runtime.reduction.reduction_order import ReductionOrder
 
 @dataclass(frozen=True)
 class BucketBytes:
-    """One bucket as rank 0 of the configuration holds it (bytes)."""
+    """One bucket as the priced rank of the configuration holds it (bytes)."""
 
     params: tuple[str, ...]  # trainable parameters (none for a frozen bucket)
     whole: int  # the padded bucket in the parameters' dtype
@@ -55,11 +57,12 @@ class BucketBytes:
     wire: Wire | None = None  # what its collectives move (zero.estimator.traffic)
     offloaded: bool = False  # its optimizer side (master, state, the step) is off the device
     shard_off_device: bool = False  # stage 3: its parameter shard is off the device
+    piece_params: tuple[str, ...] = ()  # the parameter of each of ``pieces``
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What rank 0 of one configuration holds, before any step (see :func:`zero.estimator.estimator.layout`)."""
+    """What one rank of one configuration holds, before any step (see :meth:`zero.estimator.Workload.layout`)."""
 
     stage: int
     buckets: tuple[BucketBytes, ...]
@@ -71,22 +74,21 @@ class Layout:
     disk: int = 0  # offload to disk: the offload file (zero.runtime.offload.disk.planned_disk_bytes)
     disk_state: int = 0  # ... of which bytes per element of optimizer state (the rest of the state stays in memory)
     slots: int = 0  # trainable parameters (a flag each in the end of backward's agreement)
+    owners: Ownership = Ownership(0)  # the rank priced (its shard) and the whole parameters it owns
 
 
 @dataclass(frozen=True)
 class StepTrace:
-    """The wrapped optimizer stepping a bucket's chunk."""
+    """The wrapped optimizers' part of the priced rank's step (``zero.estimator.Workload.step``)."""
 
-    state_per_element: float  # bytes of optimizer state kept per element stepped
+    state_by_bucket: dict[tuple[str, ...], float]  # bucket (its parameters) -> the optimizer state kept for it (bytes)
     adopt: float  # bytes: the largest temporaries while one bucket's masters adopt edits (mixed precision)
-    update: float  # bytes: the largest temporaries while the wrapped optimizer steps one bucket (steady state)
-    state_per_piece: float = 0.0  # bytes of optimizer state kept per piece stepped, whatever its size (step counts)
+    update: float  # bytes: the largest temporaries while the flat optimizers step one bucket (steady state)
+    whole: float = 0.0  # bytes on the device while the owners step the whole parameters (tensors, exchange)
 
     def state(self, buckets: Iterable[BucketBytes]) -> float:
-        """The optimizer state the wrapped optimizer keeps for ``buckets``' pieces."""
-        buckets = list(buckets)
-        return (self.state_per_element * sum(b.elements for b in buckets)
-                + self.state_per_piece * sum(len(b.pieces) for b in buckets))
+        """The optimizer state kept for ``buckets``: their flat pieces' and their whole parameters owned here."""
+        return sum(self.state_by_bucket.get(b.params, 0.0) for b in buckets)
 
 
 @dataclass(frozen=True)
@@ -279,8 +281,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     grads = layout.grad_buffer + (reduction.shards if reduction is not None else 0)
     master_grads = sum(b.master_grad for b in here)
     on_device = 1.0 if here else 0.0  # an offloaded step runs on the host
-    for temporaries, gradients in ((step.adopt, grads + master_grads), (step.update, grads + master_grads)):
-        offer(dict(base, gradients=gradients, temporaries=temporaries * on_device), "step", "<optimizer>",
+    for temporaries in (step.adopt * on_device, step.whole, step.update * on_device):  # (in this order)
+        offer(dict(base, gradients=grads + master_grads, temporaries=temporaries), "step", "<optimizer>",
               "optimizer step")
     if gathering is not None:
         best.gathers, best.regathers = dict(gathering.gathers), dict(gathering.regathers)
@@ -297,7 +299,7 @@ def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffB
     state = step.state(b for b in layout.buckets if b.offloaded)
     if not offload.on_disk:
         return OffBytes(resident + state, 0.0)
-    loose = state - layout.disk_state * sum(b.elements for b in layout.buckets)
+    loose = state - layout.disk_state * sum(sum(b.pieces) for b in layout.buckets)
     return OffBytes(resident + loose + window([b.disk for b in layout.buckets], offload.buffer_count), layout.disk)
 
 

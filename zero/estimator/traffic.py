@@ -13,6 +13,9 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
   ZeRO++ qwZ);
 * the end of backward's agreement: one int32 all-reduce of a flag per trainable parameter, the step count twice
   and, at stage 3, the gathers' fingerprint twice;
+* with optimizers stepped on whole parameters (stages 1-3), the owner step's two all-to-alls in the master's dtype
+  (``zero.runtime.step.owner_step``): every shard's pieces of gradient and master to their owners (2x the pieces
+  this rank holds of others' parameters), then the updates back (the others' pieces of the parameters it owns);
 * with hierarchical sharding (``shard_size``, HSDP) all of the above inside the shard group (``group`` ranks), plus,
   across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype; with quantized gradients an
   all-to-all and an all-gather of ``replicas`` packets of ``ceil(C / replicas)`` elements each) and the agreement's
@@ -58,7 +61,7 @@ from zero.precision import DTYPES
 
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
 PREFIXES = {"intra": "", "inter": "inter_", "hpz": "intra_"}  # opt.comm_stats' name of a level's <kind>
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 QUANTIZED = {8: "int8", 4: "int4"}  # a quantized collective's wire dtype by bits: blocks, each with one fp32 scale
 FLAGS = torch.int32  # the end of backward's agreement
 
@@ -81,7 +84,7 @@ class Wire:
 class Collective:
     """Rank 0's collectives of one kind, level and wire dtype in one step."""
 
-    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce" or "all_to_all"
     level: str  # "intra", "inter" or "hpz" (see the module docstring)
     dtype: str  # on the wire: "fp32", "bf16", "int32", or "int8" / "int4" (quantized: blocks and their fp32 scales)
     calls: int
@@ -178,12 +181,13 @@ def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...
 
 def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mapping[str, int],
                  policy: Communication, group: int, world_size: int, *, regathers: Mapping[str, int] | None = None,
-                 secondary: int = 0) -> Traffic:
+                 secondary: int = 0, exchange: tuple[int, torch.dtype] | None = None) -> Traffic:
     """Rank 0's collectives in one step (see the module docstring): ``wires`` are the buckets, ``slots`` the
     trainable parameters, ``gathers`` how many times stage 3 gathers each unit, ``group`` the size of the group the
     parameters are sharded over; with hpZ's copies over groups of ``secondary`` ranks (:func:`secondary_size`),
     ``regathers`` how many of each unit's gathers backward issues while its copy is current
-    (``zero.estimator.schedule.Peak.regathers``)."""
+    (``zero.estimator.schedule.Peak.regathers``); ``exchange``: the owner step's elements sent, and their dtype
+    (:meth:`zero.estimator.optimizers.Ownership.exchanged`), with whole-parameter optimizers over several shards."""
     counts: dict[tuple[str, str, str], list[int]] = {}
     sends = {"intra": group > 1, "inter": world_size > group, "hpz": secondary > 1}  # (a group of one sends nothing)
     block = policy.block_size
@@ -215,6 +219,8 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
                 add("all_gather", "intra", QUANTIZED[8], n * w.padded, n * group * packet_bytes(w.chunk, block), n)
             else:
                 add("all_gather", "intra", w.params, n * w.padded, n * w.padded * w.params.itemsize, n)
+    if exchange is not None:  # (two calls, however little they carry)
+        add("all_to_all", "intra", exchange[1], exchange[0], exchange[0] * exchange[1].itemsize, 2)
     flags = slots + 2 + (2 if stage == 3 else 0)  # used flags, the step count (v, -v), stage 3's fingerprint
     for level in ("intra", "inter"):  # (over every rank with hpZ: once)
         add("all_reduce", level, FLAGS, flags, flags * FLAGS.itemsize)

@@ -1,5 +1,5 @@
 """What the estimator needs of a model, traced on fake tensors on demand: its step's timeline, the
-buckets and units ``ZeroOptimizer`` would build for it, and its optimizer's step.
+buckets and units ``ZeroOptimizer`` would build for it, and its optimizers' step (:mod:`zero.estimator.optimizers`).
 
 Nothing is allocated: the model is built once per precision (and once more with activation
 checkpointing) under one ``FakeTensorMode``, and reused for every micro-batch.
@@ -9,26 +9,28 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
 
 from zero.activations import ActivationCheckpointing, checkpoint_activations
-from zero.estimator.failure import describe_failure
+from zero.estimator.failure import explained
 from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
+from zero.estimator.optimizer_step import OptimizerSteps, master_dtype
+from zero.estimator.optimizers import Assignment, Ownership, assign, ownership
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
-from zero.estimator.timeline import Recorder, Timeline, record_step
+from zero.estimator.timeline import Timeline, record_step
 from zero.estimator.traffic import Wire
 from zero.precision import DTYPES, MixedPrecision, full_precision_parameters, input_casts
-from zero.runtime.buffers.bucket import adopt_edits_
 from zero.runtime.buffers.partition import build_partition
 from zero.runtime.buffers.placement import Where
-from zero.runtime.buffers.plan import BucketPlan, Role
+from zero.runtime.buffers.plan import Role
 from zero.runtime.buffers.units import plan_units
 from zero.runtime.offload.disk import planned_disk_bytes
 from zero.runtime.offload.paging import per_element_state
 from zero.runtime.stages import make_stage
+from zero.runtime.step.inner import same_kind
 
 # the precisions the planner prices, as ZeroOptimizer's policies
 POLICIES = {
@@ -65,8 +67,15 @@ class Workload:
     ``build()`` returns the model (built in fp32 on the device it will train on; it runs under fake
     tensors, so nothing is allocated); ``loss(model, *batch)`` returns the scalar loss exactly as the
     training loop computes it (e.g. ``model(input_ids=x, labels=x).loss``); ``batch(micro_batch)``
-    returns the forward's inputs for one rank's micro-batch (real or fake tensors: only shapes matter);
-    ``optimizer(params)`` builds the wrapped optimizer (default AdamW).
+    returns the forward's inputs for one rank's micro-batch (real or fake tensors: only shapes matter).
+
+    The optimizers, one way or the other: ``optimizer(params)`` builds the one wrapped optimizer over the parameters
+    it is given (default AdamW); ``optimizers(model)`` returns what the training script passes to ``ZeroOptimizer``,
+    built over ``model``'s parameters: one optimizer or a list, each trainable parameter in exactly one (e.g.
+    ``lambda m: [torch.optim.Muon(hidden(m), lr=0.02), torch.optim.AdamW(rest(m), lr=1e-3)]``). Each is priced on
+    the path ``ZeroOptimizer`` steps it on (:mod:`zero.estimator.optimizers`); ``elementwise_optimizers`` and
+    ``per_parameter_optimizers`` are ``ZeroConfig``'s (third-party classes declared elementwise, stepped on the flat
+    path; whole-parameter classes declared to read each parameter alone, owned parameter by parameter).
     """
 
     def __init__(
@@ -75,14 +84,24 @@ class Workload:
         loss: Callable[..., torch.Tensor],
         batch: Callable[[int], tuple],
         optimizer: Callable[[Any], torch.optim.Optimizer] = _adamw,
+        *,
+        optimizers: Callable[[nn.Module], Any] | None = None,
+        elementwise_optimizers: Sequence[str] = (),
+        per_parameter_optimizers: Sequence[str] = (),
     ) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        if optimizers is not None and optimizer is not _adamw:
+            raise ValueError("give the Workload optimizer= (a function of the parameters, one optimizer) or "
+                             "optimizers= (a function of the model, one optimizer or a list), not both")
         self.build, self.loss, self.batch, self.optimizer = build, loss, batch, optimizer
+        self.optimizers, self.elementwise_optimizers = optimizers, tuple(elementwise_optimizers)
+        self.per_parameter_optimizers = tuple(per_parameter_optimizers)
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._models: dict[tuple[str, str], nn.Module] = {}
         self._timelines: dict[tuple[int, str, str], Timeline] = {}
-        self._steps: dict[tuple[Any, ...], StepTrace] = {}
+        self._assignment: Assignment | None = None
+        self.steps = OptimizerSteps(self.mode, self.assignment)  # the optimizers' fake steps
         self._disk_state_keys: dict[str, torch.dtype] | None = None
 
     # ----- the model, on fake tensors -------------------------------------------------------------------
@@ -93,9 +112,9 @@ class Workload:
         ``ZeroConfig(activation_checkpointing={})``)."""
         key = (precision, policy_key(checkpointing))
         if key not in self._models:
-            with _explained("building the model"):
+            with explained("building the model"):
                 model = self._build_fake()
-            with self.mode, _explained("building the model"):
+            with self.mode, explained("building the model"):
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
                 policy = POLICIES[precision]
@@ -145,9 +164,9 @@ class Workload:
         model = self.model(precision, checkpointing)
         policy = POLICIES[precision]
         with self.mode:
-            with _explained("making the batch"):
+            with explained("making the batch"):
                 batch = tuple(self._fake(t, policy) for t in self.batch(micro_batch))
-            with _explained("tracing the step"):
+            with explained("tracing the step"):
                 try:
                     return replace(record_step(model, self.loss, batch), micro_batch=micro_batch)
                 finally:
@@ -168,20 +187,26 @@ class Workload:
     # ----- what ZeroOptimizer builds -----------------------------------------------------------------------
 
     def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25,
-               offload: OffloadChoice = OffloadChoice(), secondary_shards: int = 1) -> Layout:
-        """Rank 0's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
+               offload: OffloadChoice = OffloadChoice(), secondary_shards: int = 1, rank: int | None = None) -> Layout:
+        """One rank's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
         ``offload``'s placements: which buffers are off the device, and where). ``world_size`` is the ranks the
         model states are sharded over: with HSDP, the shard group's size (with hpZ every rank's, and
         ``secondary_shards`` the ranks of its groups: each bucket then has a secondary copy of ``1/secondary_shards``
-        of it)."""
+        of it). The rank is ``rank`` (its shard: ``rank % shards``), else, with several or whole-parameter
+        optimizers, the one holding the most optimizer state (:func:`zero.estimator.optimizers.ownership`), else
+        rank 0."""
+        if offload.on_disk and self.assignment().several_or_whole:
+            raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
+                             f"with {self.assignment().describe()} offload to 'cpu' instead")
         model = self.model(precision)
         policy = POLICIES[precision]
         stage_policy = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
         state = self._disk_state() if offload.on_disk else {}
+        stepped = set(self.assignment().group_of)  # (the trainable parameters in the optimizers)
         with self.mode:
             full = full_precision_parameters(model)
             partition = build_partition(
-                torch.optim.SGD([p for p in model.parameters() if p.requires_grad] or model.parameters(), lr=0.1),
+                torch.optim.SGD([p for n, p in model.named_parameters() if n in stepped] or model.parameters(), lr=0.1),
                 model,
                 bucket_size_bytes=max(1, int(bucket_size_mb * 2**20)),
                 policy=stage_policy,
@@ -192,8 +217,8 @@ class Workload:
             )
         bucketed = {id(slot.param) for b in partition.buckets for slot in b.slots}
         stage_plan = partition.plan
-        priced = tuple(_priced(b.plan, tuple(s.name for s in b.slots), b.unit, file_bytes(stage_plan, b.plan, state))
-                       for b in partition.buckets)
+        owners = self._ownership(partition.trainable_buckets, stage_policy.num_shards, precision, rank)
+        priced = tuple(_priced(b, owners.shard, file_bytes(stage_plan, b.plan, state)) for b in partition.buckets)
         return Layout(
             stage=stage,
             buckets=priced,
@@ -205,65 +230,53 @@ class Workload:
             disk=planned_disk_bytes(stage_plan, state) if offload.on_disk else 0,
             disk_state=sum(dtype.itemsize for dtype in state.values()),
             slots=len(partition.slots),
+            owners=owners,
         )
+
+    def _ownership(self, buckets: list, num_shards: int, precision: str, rank: int | None) -> Ownership:
+        """Which whole parameters each shard owns, and the shard priced (see :meth:`layout`)."""
+        a = self.assignment()
+        if not a.several_or_whole:  # (one flat optimizer: every rank holds the same, rank 0 the most elements)
+            return Ownership(rank % num_shards if rank is not None else 0)
+        dtype = master_dtype(POLICIES[precision])
+        flat = self.steps.flat_rates(dtype) if rank is None else {}
+        return ownership(buckets, a, self.steps.whole_states(dtype), flat, num_shards, rank)
 
     def _disk_state(self) -> dict[str, torch.dtype]:
         """The optimizer's per-element state that offload to disk keeps in the file, by the runtime's own probe."""
         if self._disk_state_keys is None:  # (on a real two-element parameter, outside the fake mode)
-            self._disk_state_keys = per_element_state(self.optimizer([torch.zeros(2, requires_grad=True)]))
+            real = [torch.zeros(2, requires_grad=True)]
+            self._disk_state_keys = per_element_state(
+                self.optimizer(real) if self.optimizers is None else same_kind(self.assignment().optimizers[0], real))
         return self._disk_state_keys
 
+    def assignment(self) -> Assignment:
+        """The optimizers built on the fake model: which one steps each trainable parameter, and on which path."""
+        if self._assignment is None:
+            model = self.model()
+            with self.mode, explained("building the optimizers"):
+                if self.optimizers is not None:
+                    built = self.optimizers(model)
+                else:  # (over every parameter when none is trainable: the partition says so)
+                    built = self.optimizer([p for p in model.parameters() if p.requires_grad] or [*model.parameters()])
+                self._assignment = assign(built, model, self.elementwise_optimizers, self.per_parameter_optimizers)
+        return self._assignment
+
     def step(self, layout: Layout, precision: str = "fp32") -> StepTrace:
-        """What ``ZeroOptimizer.step()`` holds besides the buffers, traced on fake tensors: the wrapped optimizer's
-        state per element and the largest temporaries of a step, one bucket at a time: under mixed precision the
-        masters first adopt edits of the parameters (``zero.runtime.buffers.bucket.adopt_edits_``), then the wrapped
-        optimizer steps the pieces of the bucket's chunk (two steps: the second is the steady state). Traced on rank 0's
-        largest chunk and on the chunk holding the largest piece (a foreach step's temporaries grow with the
-        chunk, a per-tensor step's with the largest piece)."""
-        policy = POLICIES[precision]
-        master = torch.promote_types(DTYPES[policy.param_dtype or "fp32"], torch.float32)
-        low = DTYPES[policy.param_dtype] if policy.enabled else None
-        chunks = [b.pieces for b in layout.buckets if b.pieces]
-        candidates = {max(chunks, key=sum, default=()), max(chunks, key=max, default=())}
-        traced = [self._step(master, low, pieces) for pieces in candidates if pieces]
-        if not traced:
-            return StepTrace(0.0, 0.0, 0.0)
-        return StepTrace(*(max(getattr(t, f) for t in traced)
-                           for f in ("state_per_element", "adopt", "update", "state_per_piece")))
-
-    def _step(self, dtype: torch.dtype, low: torch.dtype | None, pieces: tuple[int, ...]) -> StepTrace:
-        key = (dtype, low, pieces)
-        if key not in self._steps:
-            with self.mode, _explained("tracing the optimizer's step"):
-                holder = nn.Module()
-                holder.pieces = nn.ParameterList(nn.Parameter(torch.zeros(n, dtype=dtype)) for n in pieces)
-                opt = self.optimizer(list(holder.pieces))
-                for p in holder.pieces:
-                    p.grad = torch.zeros_like(p)
-                opt.step()  # creates the state
-                shard = torch.zeros(sum(pieces), dtype=low) if low is not None else None
-                master = torch.zeros(sum(pieces), dtype=dtype)
-                existing = ([p.grad for p in holder.pieces], list(opt.state.values()), shard, master)
-                adopting = Recorder(holder, existing=existing)
-                if shard is not None:
-                    with torch.no_grad(), adopting:
-                        adopt_edits_(master, shard)
-                updating = Recorder(holder, existing=existing)
-                with torch.no_grad(), updating:
-                    opt.step()
-                tensors = [(p, t) for p in holder.pieces for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
-                per_element = sum(t.untyped_storage().nbytes() for p, t in tensors if t.shape == p.shape)
-                per_piece = sum(t.untyped_storage().nbytes() for p, t in tensors if t.shape != p.shape)
-            self._steps[key] = StepTrace(per_element / sum(pieces), _largest(adopting), _largest(updating),
-                                         per_piece / len(pieces))
-        return self._steps[key]
+        """What ``ZeroOptimizer.step()`` holds besides the buffers on the layout's rank, traced on fake tensors
+        (:meth:`zero.estimator.optimizer_step.OptimizerSteps.step`)."""
+        return self.steps.step(layout, POLICIES[precision])
 
 
-def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> BucketBytes:
-    """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.buffers.plan``)."""
+def _priced(bucket: Any, shard: int, disk: int) -> BucketBytes:
+    """The bytes of one bucket's planned buffers, as the schedule replays them (``zero.runtime.buffers.plan``), with
+    the pieces of ``shard``'s chunk."""
+    plan, unit = bucket.plan, bucket.unit
     lay, d = plan.layout, plan.dtypes
+    names = {slot.span.param_index: slot.name for slot in bucket.slots}
+    pieces = lay.pieces(shard) if plan.trainable else []
     return BucketBytes(
-        params=names if plan.trainable else (),
+        params=tuple(s.name for s in bucket.slots) if plan.trainable else (),
         whole=plan.nbytes(Role.PARAMS),
         shard=plan.nbytes(Role.SHARD) or lay.chunk_numel * d.compute.itemsize,
         staging=lay.padded_numel * d.reduce.itemsize,
@@ -271,7 +284,8 @@ def _priced(plan: BucketPlan, names: tuple[str, ...], unit: Any, disk: int) -> B
         master=plan.nbytes(Role.MASTER),
         master_grad=plan.nbytes(Role.MASTER_GRAD),
         elements=lay.chunk_numel if plan.trainable else 0,
-        pieces=tuple(piece.numel for piece in lay.pieces(0)) if plan.trainable else (),
+        pieces=tuple(piece.numel for piece in pieces),
+        piece_params=tuple(names[piece.param_index] for piece in pieces),
         unit=unit.name if unit is not None else None,
         secondary=plan.nbytes(Role.SECONDARY),
         host=host_bytes(plan),
@@ -302,23 +316,3 @@ def _to_fake(model: nn.Module, mode: Any) -> None:
                         fake = torch.empty_like(t, device="cpu")
                         made[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
                     table[name] = made[id(t)]
-
-
-def _largest(recorder: Recorder) -> int:
-    return max((p.temporaries for p in recorder.points), default=0)
-
-
-class _explained:
-    """Turns a failure while tracing into a ``ValueError`` that says what was being done, where it failed and what
-    to check (:func:`zero.estimator.failure.describe_failure`)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None or isinstance(exc, ValueError):
-            return False
-        raise ValueError(describe_failure(self.what, exc)) from exc

@@ -259,8 +259,9 @@ class MemoryTracker:
         elif self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        yield MemoryItem("optimizer_state", key, value)
+                    for leaf in tree_leaves(value):  # (a tensor, or lists of them: SOAP's per-dimension factors)
+                        if isinstance(leaf, torch.Tensor):
+                            yield MemoryItem("optimizer_state", key, leaf)
         for name, p in self.model.named_parameters():
             module = self._param_modules.get(id(p), "")
             yield MemoryItem("parameters", "whole", p, module)
