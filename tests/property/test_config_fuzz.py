@@ -26,7 +26,8 @@ FLOAT_BOUNDS = {"bucket_size_mb": (0.0, 2.0**20), "unit_size_mb": (0.0, 2.0**20)
 OPEN_BELOW = {"bucket_size_mb", "unit_size_mb"}  # > 0 rather than >= the lower bound
 BOOLS = ("sync_module_states", "reshard_after_forward", "force_collectives")
 CHOICES = {"step_kernel": ("auto", "torch", "triton")}
-FIELDS = (*INT_BOUNDS, *FLOAT_BOUNDS, *BOOLS, *CHOICES, "unit_classes")
+OPTIMIZER_NAMES = ("elementwise_optimizers", "per_parameter_optimizers")  # class names declared: any strings
+FIELDS = (*INT_BOUNDS, *FLOAT_BOUNDS, *BOOLS, *CHOICES, "unit_classes", *OPTIMIZER_NAMES)
 CLASS_NAMES = ("Stack", "Linear", "ModuleList", "ModuleDict", "Block", "", " Linear", "a.B", "Linear2", "é")
 STACK_CLASSES = {"Stack", "Linear", "ModuleList"}  # type(m).__name__ for m in Stack().modules()
 
@@ -67,6 +68,8 @@ def field_ok(field: str, value) -> bool:
         return isinstance(value, bool)
     if field in CHOICES:
         return isinstance(value, str) and value in CHOICES[field]
+    if field in OPTIMIZER_NAMES:
+        return isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in value)
     return classes_ok(value)
 
 
@@ -99,6 +102,7 @@ likely_valid = {  # so that many draws get as far as training
     **{f: st.booleans() for f in BOOLS},
     **{f: st.sampled_from(choices) for f, choices in CHOICES.items()},
     "unit_classes": st.one_of(st.none(), st.lists(st.sampled_from(sorted(STACK_CLASSES) + ["Block"]), max_size=3)),
+    **{f: st.lists(st.sampled_from(["SGD", "Lion", "torch.optim.sgd.SGD"]), max_size=2) for f in OPTIMIZER_NAMES},
 }
 
 

@@ -58,7 +58,7 @@ def test_the_host_steps_with_its_threads_and_restores_the_callers(offload):
         CountingAdamW.seen = []
         model = Net()
         opt = ZeroOptimizer(CountingAdamW(model.parameters(), lr=0.05), model, stage=2, offload=offload,
-                            bucket_size_mb=1e-4)
+                            bucket_size_mb=1e-4, elementwise_optimizers=["CountingAdamW"])  # (a subclass: declared)
         train_net(model, opt, 3)
         opt.flush()  # (the delayed step: its last update in flight)
         assert CountingAdamW.seen and set(CountingAdamW.seen) == {2}, CountingAdamW.seen
