@@ -5,7 +5,7 @@ compare.py's figures come from ``benchmarks/results/compare.json`` (written by `
 ``benchmarks/results/disk_offload.json`` (``disk_offload.py --json``); the communication modes' block (README and the
 page's section) from ``benchmarks/results/comm_modes.json`` (``comm_modes.py --json``); the page's GPU section from
 ``benchmarks/results/gpu.json`` (``gpu_check.py``, on a GPU; ``render_gpu.py``).
-``tests/unit/test_benchmark_docs.py`` checks that the committed page and the README blocks equal what this renders, so
+``tests/repo/test_benchmark_docs.py`` checks that the committed page and the README blocks equal what this renders, so
 no figure goes stale silently.
 
     python benchmarks/render_results.py            # print the page and the README block
@@ -173,7 +173,7 @@ def page(data: dict, compare: Path = COMPARE, comm: Path = COMM_JSON, gpu: Path 
         "## Regenerate", "",
         "```sh", REFRESH, "```", "",
         "With DeepSpeed installed on a CPU-only machine, prefix `DS_ACCELERATOR=cpu`. "
-        "`python benchmarks/render_results.py --check` (and `tests/unit/test_benchmark_docs.py`) fails while this "
+        "`python benchmarks/render_results.py --check` (and `tests/repo/test_benchmark_docs.py`) fails while this "
         "page or the README's table differs from what the JSON renders.", "",
         *(comm_section(comm_data) if comm_data else []),
         *gpu_section(gpu_data),

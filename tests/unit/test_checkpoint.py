@@ -186,13 +186,13 @@ def test_other_param_groups_are_refused():
     refused(saved, one_group, "saved with 2 param groups but the wrapped optimizer has 1")
 
 
-# ----- end to end: needs zero/optimizer.py to pass optimizer=self._inner to checkpoint.header ---------
+# ----- end to end: through ZeroOptimizer.state_dict() and load_state_dict() ---------------------------
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_end_to_end_through_zero_optimizer_state_dict(stage):
-    """NEEDS the optimizer.py change (``_checkpoint_header`` passing ``optimizer=self._inner``);
-    until then ``state_dict()`` raises TypeError (missing keyword ``optimizer``)."""
+    """The header ``opt.state_dict()`` writes names the wrapped class; a fresh optimizer loads it, one wrapping
+    another class or given edited state refuses it before loading anything."""
     model, opt = build(stage)
     train_step(model, opt)
     saved = copy.deepcopy(opt.state_dict())

@@ -55,14 +55,37 @@ class RecordingTransport:
         return self._call("all_to_all", output, input)
 
 
-def test_the_default_codec_is_the_identity_and_can_be_replaced():
+class RecordingCodec(IdentityCodec):
+    """Records the collectives it is asked for and does them locally, as a world of one would."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def all_gather(self, output, input, transport):
+        self.calls.append("all_gather")
+        output.copy_(input)
+        return Done([], "all_gather")
+
+    def reduce_scatter(self, output, input, transport):
+        self.calls.append("reduce_scatter")
+        output.copy_(input)
+        return Done([], "reduce_scatter")
+
+
+def test_the_default_codec_is_the_identity_and_can_be_replaced(monkeypatch):
+    """Replaced between collectives (an attribute), the codec the next collective goes through is the new one."""
     comm = Communicator()
     assert isinstance(comm.codec, IdentityCodec) and repr(comm.codec) == "IdentityCodec()"
     assert Communicator().codec is not comm.codec  # one each: a codec may keep state
     double = Bf16WireCodec()
     assert Communicator(codec=double).codec is double
-    comm.codec = double
-    assert comm.codec is double
+    monkeypatch.setattr(Communicator, "skips_collectives", property(lambda self: False))  # as if it had a group
+    first, second = RecordingCodec(), RecordingCodec()
+    comm.codec = first
+    comm.all_gather(torch.zeros(2), torch.ones(2)).wait()
+    comm.codec = second
+    comm.reduce_scatter(torch.zeros(2), torch.ones(2)).wait()
+    assert first.calls == ["all_gather"] and second.calls == ["reduce_scatter"]
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "forced_without_group"])

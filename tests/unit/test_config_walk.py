@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.repo.test_architecture import import_graph
 from tests.toy import Net
-from tests.unit.test_architecture import import_graph
 from zero import ZeroConfig, ZeroOptimizer
 from zero.activations import ActivationCheckpointing
 from zero.comm.policy import Communication

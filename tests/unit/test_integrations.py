@@ -1,5 +1,5 @@
-"""The Hugging Face integrations' refusals, in one process (the training paths: tests/distributed/
-test_integrations_world.py)."""
+"""The Hugging Face integrations in one process: their refusals, and the Trainer's step against the hand-built
+recipe (the training paths in worlds: tests/distributed/test_integrations_world.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ accelerate = pytest.importorskip("accelerate")
 
 import zero  # noqa: E402
 from tests.distributed.integrations_world import gpt2  # noqa: E402
+from tests.readouts import master_weights  # noqa: E402
+from tests.recipes import MasterRecipe  # noqa: E402
 from tests.toy import FreshTensors, batch  # noqa: E402
 from zero import ZeroConfig, ZeroOptimizer  # noqa: E402
 from zero.integrations import accelerate as zacc  # noqa: E402
@@ -87,30 +89,66 @@ def test_accelerate_helper_refuses_an_accelerator_that_sees_another_world():
 
 
 class _FreshTensorsLM(torch.nn.Module):
-    """``tests.toy.FreshTensors`` the Trainer's way: ``forward(x)`` returns ``{"loss": ...}``."""
+    """``tests.toy.FreshTensors`` the Trainer's way: ``forward(x)`` returns ``{"loss": ...}``; keeps the batches it
+    was given, in the order the Trainer gave them."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = FreshTensors()
+        self.seen: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> dict:
+        self.seen.append(x.detach().clone())
         return {"loss": self.net(x)}
+
+
+def _trainer_step_by_hand(batches: list[torch.Tensor], lr: float, max_norm: float) -> dict:
+    """The Trainer's steps on ``FreshTensors``' hand-built bf16 recipe (fp32 masters, each fp32 tensor cast to bf16
+    where it enters a module): its default optimizer (fused AdamW, no weight decay), clipping to ``max_norm``, the
+    linear schedule to 0 over the steps; the losses, the norms before clipping and the masters at the end."""
+    torch.manual_seed(0)
+    r = MasterRecipe(FreshTensors(recipe=True), torch.bfloat16,
+                     lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True))
+    losses, norms = [], []
+    for step, x in enumerate(batches):
+        for group in r.opt.param_groups:
+            group["lr"] = lr * (float(len(batches) - step) / float(len(batches)))  # (transformers' linear schedule)
+        loss = r.low(x.bfloat16())
+        loss.backward()
+        r.grads_to_master()
+        norms.append(torch.nn.utils.clip_grad_norm_(r.master, max_norm).item())
+        r.step()
+        losses.append(loss.item())
+    return {"loss": losses, "grad_norm": norms, "masters": r.flat()}
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_trainer_trains_a_model_that_makes_fp32_tensors_inside_forward_under_bf16(tmp_path, stage):
     """Issue 37 on the Trainer's path: fp32 tensors made inside forward reach bf16 modules (without the casts at their
-    entry: "mat1 and mat2 must have the same dtype")."""
+    entry: "mat1 and mat2 must have the same dtype"), and it trains as the hand-built bf16 recipe does on the batches
+    the Trainer gave, with the Trainer's optimizer, clipping (acting on the first two steps: norms 0.84, 0.70, 0.53)
+    and schedule: the same masters bit for bit, the same logged losses and norms."""
     data = [{"x": row} for row in torch.cat([batch(step) for step in range(2)])]
-    trainer = ZeroTrainer(model=_FreshTensorsLM(), train_dataset=data,
+    model = _FreshTensorsLM()
+    trainer = ZeroTrainer(model=model, train_dataset=data,
                           args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
-                                     logging_steps=1, save_strategy="no"),
+                                     max_grad_norm=0.6, logging_steps=1, save_strategy="no"),
                           zero_config=ZeroConfig(stage=stage, precision={"param_dtype": "bf16"}))
     trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert trainer.zero_optimizer.runtime.config.precision.param_dtype == "bf16"
+    assert [len(x) for x in model.seen] == [4, 4, 4]
+    expected = _trainer_step_by_hand(model.seen, lr=1e-2, max_norm=0.6)
+    assert (expected["masters"] - _initial_fresh_tensors()).abs().max() > 1e-3  # (3 steps moved the parameters)
+    torch.testing.assert_close(master_weights(trainer.zero_optimizer), expected["masters"], rtol=0, atol=0)
+    for key in ("loss", "grad_norm"):
+        logged = [entry[key] for entry in trainer.state.log_history if key in entry]
+        assert logged == pytest.approx(expected[key], rel=1e-6), key
+
+
+def _initial_fresh_tensors() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.cat([p.detach().flatten() for p in FreshTensors().parameters()])
 
 
 def test_trainer_and_accelerate_pass_the_example_of_an_automatic_offload_ratio(tmp_path):

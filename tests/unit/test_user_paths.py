@@ -168,11 +168,18 @@ def test_gathered_parameters_with_a_frozen_parameter_outside_the_optimizer():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_optimizers_over_one_parameter_are_refused(stage):
+    """The second is refused before it touches the parameters: the first still trains as plain PyTorch does."""
     model = Net()
     first = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
     with pytest.raises(ValueError, match=r"'head\.(weight|bias)' is already managed by another ZeroOptimizer"):
         ZeroOptimizer(torch.optim.SGD(model.head.parameters(), lr=0.1), model, stage=stage)
-    assert first is not None
+    plain = Net()
+    reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for m, o in ((model, first), (plain, reference)):
+        m(batch(0)).backward()
+        o.step()
+        o.zero_grad()
+    torch.testing.assert_close(flat_params(model, first), flat_params(plain), rtol=0, atol=0)
     if stage < 3:  # once the first is dropped, the model can be wrapped again (stage 3 keeps it sharded)
         del first
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, stage=stage)
@@ -356,7 +363,15 @@ def test_the_whole_model_pickles(stage, tmp_path):
     model, opt = wrapped(stage)
     opt.step()
     torch.save(model, tmp_path / "model.pt")
-    assert torch.load(tmp_path / "model.pt", weights_only=False) is not None
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    plain = Net()
+    plain(batch(0)).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    assert type(loaded) is Net
+    torch.testing.assert_close(flat_params(loaded), flat_params(plain), rtol=0, atol=0)  # the stepped weights
+    loaded(batch(1)).backward()  # a plain model again: its gradients are whole tensors, no stage's stand-ins
+    used = [*loaded.blocks.parameters(), *loaded.head.parameters()]  # (aux: odd steps only)
+    assert all(type(p.grad) is torch.Tensor and p.grad.shape == p.shape for p in used)
 
 
 @pytest.mark.parametrize("variant", ["one_pass", "retained", "separate", "penalty_first"])
