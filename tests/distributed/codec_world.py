@@ -6,11 +6,12 @@ One world per world size runs both parts and returns plain data; the test compar
   launched before any is waited for, through a forced communicator with the default (identity) codec, through
   today's raw ``torch.distributed`` calls (``communicator.py``'s gloo path: one broadcast per rank, an all-reduce of the
   input), through one with the test double (``tests.codecs.Bf16WireCodec``) and through the quantized codecs (int8,
-  and int4 gradients);
+  and int4 gradients); and all-gathers through the test fp8 codec (``tests.codecs.Fp8Gather``);
 * ``training`` (world sizes 2 and 3): a small GPT trained with SGD at stages 2 and 3, once with the identity codec
   and once with the double swapped in after construction, recording losses, the final parameters, and per step
   ``opt.comm_stats`` and what the double counted; and the runs of ``traffic_world.MIXED_CASES`` (the estimator's
-  traffic under mixed precision).
+  traffic under mixed precision). At stage 3 also with the test codecs named by the policy (``CODECS``: fp8
+  all-gathers, bfloat16 reductions), recording what each held.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.codecs import Bf16WireCodec
+from tests.codecs import Bf16WireCodec, Fp8Gather
 from tests.distributed.traffic_world import MIXED_CASES, steady_step_stats
 from zero import ZeroOptimizer
 from zero.comm.codec import PerCollective, QuantizedGradients, QuantizedWeights
@@ -40,6 +41,7 @@ QUANTIZED = {  # ZeroConfig.communication of the quantized training runs, by sta
     3: {"quantized_weights": True, "quantized_gradients": True, "block_size": 64},
 }
 INT4 = {stage: {**policy, "gradient_bits": 4} for stage, policy in QUANTIZED.items()}  # ... with int4 gradients
+CODECS = {"gather_codec": "tests.codecs:Fp8Gather", "reduce_codec": "tests.codecs:Bf16WireCodec"}  # stage 3's run
 
 
 def _values(gen: torch.Generator, k: int) -> torch.Tensor:
@@ -114,7 +116,16 @@ def comm_checks(rank: int, world_size: int) -> dict:
     summed, summed4 = inputs["reduce"].clone(), inputs["reduce"].clone()
     quantized.reduce_gradients(summed, what="all-reduce of gradients").wait()
     int4.reduce_gradients(summed4, what="all-reduce of gradients").wait()
+    fp8 = Communicator(force_collectives=True, timeout_s=60, codec=Fp8Gather())
+    fp8_out = {"gather": torch.full((world_size * N,), float("nan")), "gather_in_place": torch.zeros(world_size * N)}
+    own = fp8_out["gather_in_place"].narrow(0, rank * N, N)
+    own.copy_(inputs["gather"])
+    handles = [fp8.all_gather(fp8_out["gather"], inputs["gather"]), fp8.all_gather(fp8_out["gather_in_place"], own)]
+    for handle in handles:
+        handle.wait()
     return {
+        "fp8": fp8_out,
+        "fp8_stats": _stats(fp8),
         "quantized": {**_run(quantized, inputs), "all_reduce": summed},
         "quantized_stats": _stats(quantized),
         "int4": {**_run(int4, inputs), "all_reduce": summed4},
@@ -155,7 +166,8 @@ def _train(rank: int, world_size: int, stage: int, swap: bool, communication: di
         losses.append(float(total) / world_size)
     with opt.gathered_parameters():  # (exact whatever the codec)
         params = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-    return {"default": default, "losses": losses, "params": params, "stats": stats, "counts": counts}
+    held = {name: sorted(getattr(getattr(opt.comm.codec, name, None), "held", ())) for name in ("gather", "reduce")}
+    return {"default": default, "losses": losses, "params": params, "stats": stats, "counts": counts, "held": held}
 
 
 def codec_checks(rank: int, world_size: int) -> dict:
@@ -166,6 +178,7 @@ def codec_checks(rank: int, world_size: int) -> dict:
                                       "quantized": _train(rank, world_size, stage, False, QUANTIZED[stage]),
                                       "int4": _train(rank, world_size, stage, False, INT4[stage])}
                               for stage in STAGES}
+        result["training"][3]["codecs"] = _train(rank, world_size, 3, False, CODECS)
         result["mixed"] = [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, *case)
                            for case in MIXED_CASES]  # for the estimator (traffic_world)
     return result

@@ -23,6 +23,12 @@
 * The estimator (``zero.estimate(..., communication=...).traffic``) prices every step of those runs, and of a GPT
   under both mixed precisions (``traffic_world.MIXED_CASES``), exactly: calls, elements and bytes on the wire of
   every collective kind equal ``opt.comm_stats``'.
+* Codecs of the test's own, named by the policy (``codec_world.CODECS``: ``tests.codecs.Fp8Gather`` as
+  ``gather_codec``, ``Bf16WireCodec`` as ``reduce_codec``), with no change to the runtime or the estimator: the fp8
+  all-gather within its stated bound, this rank's chunk exact; a GPT trained at stage 3 through both stays within
+  ``FP8_TRAIN_RTOL`` of the identity run; the estimate's traffic equals ``opt.comm_stats`` every step; and what each
+  codec held in flight and while decoding, recorded as it ran, is what the estimator's codec memory prices for
+  those buckets (``zero.estimator.codec_memory``).
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.codecs import FP32_REL, gather_bound, reduce_bound
+from tests.codecs import FP32_REL, fp8_bound, fp8_packet, gather_bound, reduce_bound
 from tests.distributed.codec_world import (
     BLOCK,
     BUCKET_MB,
     CFG,
+    CODECS,
     INT4,
     KINDS,
     QUANTIZED,
@@ -46,10 +53,14 @@ from tests.distributed.codec_world import (
 from tests.distributed.harness import run_world
 from tests.distributed.traffic_world import MIXED_CASES, estimated_stats, gpt_workload, measured
 from zero.comm import quantization
+from zero.comm.policy import Communication
+from zero.estimator.codec_memory import CodecMemory
+from zero.estimator.traffic import Wire
 
 TRAIN_RTOL = 2.0**-8  # the double's bound: one bfloat16 rounding
 QUANTIZED_TRAIN_RTOL = 0.02  # int8 weights and gradients over STEPS steps of SGD
 INT4_TRAIN_RTOL = 0.01  # ... with int4 gradients (measured: params 2.1-2.7e-3 apart, int8 1.2-8.1e-4)
+FP8_TRAIN_RTOL = 0.01  # fp8 gathers, bfloat16 reductions (measured: params 7.3e-4 and 8.9e-4 apart, losses 3.2e-4)
 
 
 @pytest.fixture(scope="module", params=(1, 2, 3), ids=lambda n: f"world{n}")
@@ -284,3 +295,56 @@ def test_the_estimator_prices_the_wire_dtype_under_mixed_precision(codec_world):
                                    bucket_size_mb=BUCKET_MB, communication=communication)
         for result in results:
             assert result["mixed"][case] == expected, MIXED_CASES[case]
+
+
+# ----- codecs of the test's own, named by the policy (tests.codecs; codec_world.CODECS) ----------------------------
+
+
+def test_the_fp8_test_codec_is_within_its_bound_and_counts_its_packets(codec_world):
+    world_size, results = codec_world
+    inputs, gathered, _ = _exact(world_size)
+    for rank, result in enumerate(results):
+        got = result["comm"]["fp8"]
+        for name in ("gather", "gather_in_place"):
+            for r in range(world_size):
+                theirs = slice(r * N, (r + 1) * N)
+                if r == rank:
+                    assert torch.equal(got[name][theirs], inputs[rank]["gather"]), name  # never through the wire
+                error = (got[name][theirs].double() - gathered[theirs].double()).abs()
+                assert (error <= fp8_bound(inputs[r]["gather"])).all(), (name, r)
+        whole = world_size * N
+        assert result["comm"]["fp8_stats"] == {
+            "all_gather": {"calls": 2, "numel": 2 * whole, "bytes": 2 * world_size * fp8_packet(N)}}
+    if world_size > 1:  # lossy indeed
+        assert not torch.equal(results[0]["comm"]["fp8"]["gather"], gathered)
+
+
+def test_codecs_named_by_the_policy_train_and_the_estimate_prices_their_traffic(codec_world):
+    world_size, results = codec_world[0], _training(codec_world)
+    expected = estimated_stats(gpt_workload(CFG), stage=3, world_size=world_size, bucket_size_mb=BUCKET_MB,
+                               communication=CODECS)
+    for result in results:
+        identity, run = result["training"][3]["identity"], result["training"][3]["codecs"]
+        assert run["default"] == "PerCollective"
+        for step, stats in enumerate(run["stats"]):
+            assert measured(stats) == expected, step
+            assert stats["all_gather"]["bytes"] < 0.3 * 4 * stats["all_gather"]["numel"]  # fp8 and a scale a chunk
+            assert stats["reduce_scatter"]["bytes"] == 2 * stats["reduce_scatter"]["numel"]  # bfloat16
+        for a, b in zip(identity["losses"], run["losses"], strict=True):
+            assert abs(a - b) <= FP8_TRAIN_RTOL * abs(a), (a, b)
+        distance = (run["params"] - identity["params"]).norm() / identity["params"].norm()
+        assert 0 < distance <= FP8_TRAIN_RTOL, distance
+
+
+def test_the_estimator_prices_what_codecs_named_by_the_policy_held(codec_world):
+    world_size, results = codec_world[0], _training(codec_world)
+    memory = CodecMemory.of(Communication(**CODECS), world_size, world_size)  # (flat: sharded over every rank)
+    for result in results:
+        held = result["training"][3]["codecs"]["held"]
+        assert held["gather"] and held["reduce"]
+        for n, group, dtype, in_flight, decoding in held["gather"]:
+            wire = Wire(group * n, n, getattr(torch, dtype.removeprefix("torch.")), torch.float32, True, None)
+            assert (memory.gathering(wire), memory.gather_decode(wire)) == (in_flight, decoding), (n, group, dtype)
+        for n, group, dtype, in_flight, decoding in held["reduce"]:
+            wire = Wire(group * n, n, torch.float32, getattr(torch, dtype.removeprefix("torch.")), True, None)
+            assert (memory.reducing(wire), memory.reduce_decode(wire)) == (in_flight, decoding), (n, group, dtype)

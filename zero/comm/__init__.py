@@ -3,13 +3,14 @@
 What it owns:
 
 * :mod:`zero.comm.communicator`: the :class:`~zero.comm.communicator.Communicator`, the only module of ``zero``
-  that calls ``torch.distributed``'s collectives (``tests/unit/test_architecture.py`` checks it); every other
+  that calls ``torch.distributed``'s collectives (``tests/repo/test_architecture.py`` checks it); every other
   module, a codec included, goes through a communicator;
 * :mod:`zero.comm.handles` (the handle of an in-flight collective, the per-kind counters) and
   :mod:`zero.comm.groups` (the device, the launcher's world, aborting a group): what a communicator needs besides
   its collectives;
-* :mod:`zero.comm.codec` (how an all-gather or a reduce-scatter encodes what it moves: exact, or ZeRO++'s
-  quantized weights and gradients) over :mod:`zero.comm.quantization` (the block-wise int8/int4 wire format);
+* :mod:`zero.comm.codec` (how an all-gather or a reduce-scatter encodes what it moves, and what that costs on the
+  wire and in memory: exact, ZeRO++'s quantized weights and gradients, or a codec the policy names by import path)
+  over :mod:`zero.comm.quantization` (the block-wise int8/int4 wire format);
 * :mod:`zero.comm.hierarchy`: the device mesh of hierarchical sharding (HSDP, hpZ), which builds the communicators
   and picks their codecs;
 * :mod:`zero.comm.policy`: :class:`zero.Communication`, the user's settings (``ZeroConfig.communication``).

@@ -41,12 +41,20 @@ all-gather's output, a reduce-scatter's input, in elements: what the algorithm m
 its ``bytes`` are the bytes on the wire, the sum of what its transport calls moved (an all-gather's output, a
 reduce-scatter's and an all-to-all's input). With the identity codec ``bytes`` is ``numel`` times the element
 size, as it always was; a codec that shrinks the payload shows it as ``bytes`` below that.
+
+Price: a codec states what each of its collectives costs, as a function of the chunk ``n``, the group's size and
+the payload's dtype (:meth:`Codec.gather_cost`, :meth:`Codec.reduce_scatter_cost`, :meth:`Codec.all_reduce_cost`,
+each a :class:`Cost`): the bytes on the wire (what the counters count) and what it holds on the device beside the
+tensors it is given. The estimator (``zero.estimator.traffic``, ``zero.estimator.codec_memory``) asks the codec that
+``zero.comm.hierarchy.codec_of`` builds for the policy, so a new codec is priced without touching the estimator;
+``ZeroConfig.communication`` names one by import path (``gather_codec``, ``reduce_codec``; ``zero.comm.policy``).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol, Union
 
 import torch
 
@@ -116,30 +124,63 @@ class Transport(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What one collective through a codec costs the rank that issues it, in bytes (see the module's docstring).
+
+    Memory is what the codec allocates beside the tensors it is given, on their device, in four moments: while it
+    encodes before launching (``encoding``, what it will send, and besides it the ``scratch`` it encodes through),
+    from the launch until the work is waited for (``held``: what it sends and receives), and besides that at the
+    wait while it decodes (``decoding``). The estimator prices every moment of a reduction's, and an all-gather's
+    ``held`` from its start and ``decoding`` at its wait."""
+
+    wire: int  # bytes its transport calls move: Communicator.stats' "bytes" of the collective
+    dtype: Union[str, torch.dtype]  # on the wire, as the estimate's traffic names it: "int8", or the payload's dtype
+    encoding: int = 0
+    scratch: int = 0
+    held: int = 0
+    decoding: int = 0
+
+
 class Codec:
     """How the all-gathers and reduce-scatters of a :class:`~zero.comm.communicator.Communicator` encode what they
-    move (see the module's docstring for the contract). A subclass overrides both methods; each returns the work
-    whose ``wait()`` completes the collective."""
+    move (see the module's docstring for the contract). A subclass overrides the collectives it runs (each returns
+    the work whose ``wait()`` completes it) and the price of each (``*_cost``; the estimator asks for it)."""
 
     exact_gather = True  # False: all-gathers are lossy (values gathered for training are not the shards')
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not run all-gathers: implement all_gather")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not run reduce-scatters: implement reduce_scatter")
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
         """Sum gradients over ranks in place, every rank ending with the same values (hierarchical sharding's
         reduction of each shard across the groups)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not run all-reduces (HSDP's sum across the groups): "
+                                  "implement all_reduce, or leave shard_size unset")
+
+    def gather_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """An all-gather of chunks of ``n`` elements of ``dtype`` over ``group`` ranks."""
+        raise NotImplementedError(f"{type(self).__name__} does not price its all-gathers: implement gather_cost")
+
+    def reduce_scatter_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """A reduce-scatter of ``group * n`` elements of ``dtype`` over ``group`` ranks (``n`` to each)."""
+        raise NotImplementedError(f"{type(self).__name__} does not price its reduce-scatters: implement "
+                                  "reduce_scatter_cost")
+
+    def all_reduce_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """An all-reduce of ``n`` elements of ``dtype`` over ``group`` ranks."""
+        raise NotImplementedError(f"{type(self).__name__} does not price its all-reduces: implement all_reduce_cost")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 class IdentityCodec(Codec):
-    """The tensors as they are, one collective each: exact, and the bytes on the wire are the payload's."""
+    """The tensors as they are, one collective each: exact, and the bytes on the wire are the payload's; it holds
+    nothing besides."""
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, transport: Transport) -> Work:
         return transport.all_gather(output, input)
@@ -149,6 +190,15 @@ class IdentityCodec(Codec):
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
         return transport.all_reduce(tensor)
+
+    def gather_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return Cost(group * n * dtype.itemsize, dtype)
+
+    def reduce_scatter_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return Cost(group * n * dtype.itemsize, dtype)
+
+    def all_reduce_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return Cost(n * dtype.itemsize, dtype)
 
 
 class BlockQuantized(IdentityCodec):
@@ -160,6 +210,18 @@ class BlockQuantized(IdentityCodec):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block={self.block}, bits={self.bits})"
+
+    @property
+    def wire_dtype(self) -> str:
+        return f"int{self.bits}"  # (blocks of int8 or int4 values, each with one fp32 scale)
+
+    def _packet(self, n: int) -> int:
+        return quantization.packet_bytes(n, self.block, self.bits)
+
+    def _summing(self, n: int) -> int:
+        """Decoding and summing packets of ``n`` elements (:meth:`_sum_into`): the fp32 sum's slice and one decoded
+        slice."""
+        return quantization.scratch_bytes(1, n, self.block) + quantization.decode_bytes(n, self.block, self.bits)
 
     def _sum_into(self, output: torch.Tensor, received: torch.Tensor, own: torch.Tensor, rank: int) -> None:
         """``output`` (``n`` elements, any dtype) := the fp32 sum, in rank order, of the packets ``received`` (one per
@@ -207,6 +269,13 @@ class QuantizedWeights(BlockQuantized):
                     output[r * n + start : r * n + stop].copy_(quantization.decode(packet, n, self.block, start, stop))
 
         return Works([work], decode, holds=(send,))
+
+    def gather_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """Its packet and the group's, from the start to the wait; one fp32 slice to encode, one to decode."""
+        packet = self._packet(n)
+        return Cost(group * packet, self.wire_dtype, encoding=packet,
+                    scratch=quantization.scratch_bytes(1, n, self.block), held=(1 + group) * packet,
+                    decoding=quantization.decode_bytes(n, self.block))
 
 
 class QuantizedGradients(BlockQuantized):
@@ -263,6 +332,27 @@ class QuantizedGradients(BlockQuantized):
 
         return Works([reduced], share_sum)
 
+    def reduce_scatter_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """The ``group`` packets it sends, encoded through one fp32 slice of ``group`` rows, then also the ``group``
+        it receives; at the wait, the sum's fp32 slice and one decoded slice."""
+        packets = group * self._packet(n)
+        return Cost(packets, self.wire_dtype, encoding=packets,
+                    scratch=quantization.scratch_bytes(group, n, self.block, self.bits), held=2 * packets,
+                    decoding=self._summing(n))
+
+    def all_reduce_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        """The padded fp32 copy and this rank's chunk of the sum (``piece = ceil(n / group)`` elements), with the
+        reduce-scatter's packets; at the wait the most of decoding the sum, encoding this rank's chunk of it, and
+        sharing and decoding every chunk's (:meth:`all_reduce`)."""
+        piece = -(-n // group)
+        packet = self._packet(piece)
+        copies = 4 * (group + 1) * piece
+        wait = max(self._summing(piece), packet + quantization.scratch_bytes(1, piece, self.block, self.bits),
+                   (1 + group) * packet + quantization.decode_bytes(piece, self.block, self.bits))
+        return Cost(2 * group * packet, self.wire_dtype, encoding=copies + group * packet,
+                    scratch=quantization.scratch_bytes(group, piece, self.block, self.bits),
+                    held=copies + 2 * group * packet, decoding=wait)
+
 
 class PerCollective(Codec):
     """All-gathers through ``gather``, reduce-scatters through ``reduce`` (e.g. qwZ and qgZ together)."""
@@ -282,3 +372,12 @@ class PerCollective(Codec):
 
     def all_reduce(self, tensor: torch.Tensor, transport: Transport) -> Work:
         return self.reduce.all_reduce(tensor, transport)
+
+    def gather_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return self.gather.gather_cost(n, group, dtype)
+
+    def reduce_scatter_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return self.reduce.reduce_scatter_cost(n, group, dtype)
+
+    def all_reduce_cost(self, n: int, group: int, dtype: torch.dtype) -> Cost:
+        return self.reduce.all_reduce_cost(n, group, dtype)

@@ -25,17 +25,26 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from zero.comm.codec import Codec, IdentityCodec, PerCollective, QuantizedGradients, QuantizedWeights
 from zero.comm.communicator import Communicator
-from zero.comm.policy import Communication
+from zero.comm.policy import Communication, codec_class
 
 
 def codec_of(policy: Communication) -> Codec:
-    """The codec the policy puts on the wire (the identity unless quantization is on)."""
-    if not policy.quantized:
+    """The codec the policy puts on the wire, the one the runtime runs and the estimator prices: the identity, or
+    :class:`~zero.comm.codec.PerCollective` of the all-gathers' (qwZ, or ``gather_codec``) and the reductions' (qgZ,
+    or ``reduce_codec``), each the identity where the policy names none."""
+    gather: Codec | None = None
+    reduce: Codec | None = None
+    if policy.quantized_weights:
+        gather = QuantizedWeights(policy.block_size)
+    elif policy.gather_codec is not None:
+        gather = codec_class(policy.gather_codec, "gather_codec")()
+    if policy.quantized_gradients:
+        reduce = QuantizedGradients(policy.block_size, policy.gradient_bits)
+    elif policy.reduce_codec is not None:
+        reduce = codec_class(policy.reduce_codec, "reduce_codec")()
+    if gather is None and reduce is None:
         return IdentityCodec()
-    gather = QuantizedWeights(policy.block_size) if policy.quantized_weights else IdentityCodec()
-    reduce = (QuantizedGradients(policy.block_size, policy.gradient_bits) if policy.quantized_gradients
-              else IdentityCodec())
-    return PerCollective(gather, reduce)
+    return PerCollective(gather or IdentityCodec(), reduce or IdentityCodec())
 
 
 def hierarchical(world: Communicator, policy: Communication) -> tuple[Communicator, Communicator | None]:

@@ -20,15 +20,66 @@
   never does. Exact. (Groups of one rank, or of every rank, are the flat layout: as DeepSpeed's
   ``zero_hpz_partition_size=1``, off.)
 
+* ``gather_codec`` and ``reduce_codec``: a codec of your own, by import path (``"module:Class"``, a
+  :class:`zero.comm.codec.Codec` subclass built with no arguments), for the all-gathers (in place of qwZ; a lossy
+  one, ``exact_gather = False``, needs stage 3 as qwZ does) or for the gradient reductions (the reduce-scatters and,
+  with HSDP, the sum across the groups; in place of qgZ; stages 1-3). Checked here (the module imports, the name is
+  a ``Codec``); :func:`zero.comm.hierarchy.codec_of` builds it, and the estimator prices it by asking it
+  (``Codec.gather_cost`` and the others), so a new codec is one class and this one setting.
+
 Quantization is lossy and off by default; its bounds are stated in :mod:`zero.comm.quantization` and tested.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from zero.comm.codec import Codec
+
+CODEC_SETTINGS = (("gather_codec", "quantized_weights"), ("reduce_codec", "quantized_gradients"))  # (flags replaced)
+
+
+def codec_class(path: str, setting: str = "gather_codec") -> type[Codec]:
+    """The :class:`~zero.comm.codec.Codec` subclass ``path`` names (``"module:Class"``), imported; a ``ValueError``
+    naming the cause and the fix when it does not import, is not there, is not a codec or cannot be built with no
+    arguments. ``setting``: the policy's field, for the message."""
+    where = f"communication.{setting}={path!r}"
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{where} is not an import path: give 'module:Class', e.g. 'mypackage.codecs:Fp8Gather' (a "
+                         "zero.comm.codec.Codec subclass)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # (the module's own error, whatever it is, is the cause)
+        raise ValueError(f"{where}: module {module_name!r} does not import ({type(err).__name__}: {err}); check its "
+                         "name, and that it is installed or on PYTHONPATH") from err
+    found = module
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if found is None:
+        raise ValueError(f"{where}: module {module_name!r} has no {name!r}; check the class's name")
+    if not (isinstance(found, type) and issubclass(found, Codec)):
+        raise ValueError(f"{where} names {found!r}, not a zero.comm.codec.Codec subclass: subclass Codec, with its "
+                         "collectives and their costs (docs/communication.md)")
+    try:
+        found()
+    except TypeError as err:
+        raise ValueError(f"{where} cannot be built with no arguments ({err}): give its parameters defaults, or name "
+                         "a subclass that sets them") from err
+    return found
 
 
 class Communication(BaseModel):
@@ -72,6 +123,39 @@ class Communication(BaseModel):
         "group, from which backward gathers (ZeRO++ hpZ).",
     )
 
+    gather_codec: Optional[StrictStr] = Field(
+        None,
+        description="A codec of your own for the all-gathers, by import path 'module:Class' (a zero.comm.codec.Codec "
+        "subclass built with no arguments; see docs/communication.md). A lossy one (exact_gather=False) needs stage 3. "
+        "Not with quantized_weights.",
+    )
+    reduce_codec: Optional[StrictStr] = Field(
+        None,
+        description="A codec of your own for the gradient reductions (reduce-scatters, and with shard_size the sum "
+        "across the groups), by import path 'module:Class'. Stages 1-3. Not with quantized_gradients.",
+    )
+
+    @field_validator("gather_codec", "reduce_codec")
+    @classmethod
+    def _imports(cls, path: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if path is not None:
+            codec_class(path, info.field_name or "codec")
+        return path
+
+    @model_validator(mode="after")
+    def _one_codec_each(self) -> "Communication":
+        for setting, flag in CODEC_SETTINGS:
+            if getattr(self, setting) is not None and getattr(self, flag):
+                raise ValueError(f"communication.{setting} and {flag} both choose the codec of the same collectives: "
+                                 f"set one ({flag} is the built-in int8 codec)")
+        hsdp = self.shard_size is not None and self.hierarchy == "hsdp"
+        if hsdp and self.reduce_codec is not None and codec_class(self.reduce_codec, "reduce_codec").all_reduce is (
+                Codec.all_reduce):
+            raise ValueError(f"communication.reduce_codec={self.reduce_codec!r} does not implement all_reduce, with "
+                             "which HSDP (shard_size) sums each gradient shard across the groups: implement "
+                             "all_reduce and all_reduce_cost, or leave shard_size unset")
+        return self
+
     @model_validator(mode="after")
     def _positive_shard_size(self) -> "Communication":
         if isinstance(self.shard_size, int) and self.shard_size < 1:
@@ -89,6 +173,37 @@ class Communication(BaseModel):
     @property
     def quantized(self) -> bool:
         return self.quantized_weights or self.quantized_gradients
+
+    @property
+    def exact_gathers(self) -> bool:
+        """All-gathers give every rank the shards exactly: neither qwZ nor a lossy ``gather_codec``."""
+        lossy = self.gather_codec is not None and not codec_class(self.gather_codec).exact_gather
+        return not (self.quantized_weights or lossy)
+
+    def check_stage(self, stage: int) -> None:
+        """Refuse this policy at ``stage`` (a ``ValueError`` naming the setting; ``ZeroConfig`` applies it)."""
+        if not self.exact_gathers and stage != 3:
+            what = ("quantized_weights" if self.quantized_weights
+                    else f"gather_codec={self.gather_codec!r} (lossy: exact_gather=False)")
+            raise ValueError(
+                f"communication.{what} needs stage 3 (got stage {stage}): below it every rank keeps whole parameters, "
+                "which model.state_dict() and the forward read, so "
+                f"{'int8' if self.quantized_weights else 'lossy'} copies of other ranks' chunks would be kept and "
+                "saved as the weights. Use stage=3."
+            )
+        if self.hierarchy == "hpz" and stage != 3:
+            raise ValueError(
+                f"communication.hierarchy='hpz' needs stage 3 (got stage {stage}): its secondary copy is of "
+                "the parameter shards that only stage 3 keeps. Use stage=3, or hierarchy='hsdp'."
+            )
+        settings = {"quantized_gradients": self.quantized_gradients, "reduce_codec": self.reduce_codec is not None,
+                    "gather_codec": self.gather_codec is not None, "shard_size": self.shard_size is not None}
+        what = next((name for name, on in settings.items() if on), None)
+        if what is not None and stage == 0:
+            raise ValueError(
+                f"communication.{what} needs stage 1, 2 or 3 (got stage 0): stage 0 all-reduces whole gradients "
+                "and shards nothing. Use stage 1 or higher."
+            )
 
     def group_size(self, world_size: int) -> int:
         """The shard group's size in a world of ``world_size`` ranks (``world_size`` itself without hierarchy)."""

@@ -6,20 +6,17 @@ The count follows the buckets ``ZeroOptimizer`` builds (the same plans the memor
 (:mod:`zero.estimator.schedule`). Per step (one forward and backward, then ``step()``):
 
 * every trainable bucket's gradients: stage 0 all-reduces its staging buffer; stages 1-3 reduce-scatter it (the
-  padded bucket, ``P`` elements in the reduce dtype), or with quantized gradients (ZeRO++ qgZ) send one all-to-all
-  of ``group`` packets of ``packet_bytes(C, block_size)`` bytes (``zero.comm.quantization``; ``C = P / group``);
+  padded bucket, ``P`` elements in the reduce dtype, ``C = P / group`` to each rank);
 * stages 1-2: every trainable bucket's parameters all-gathered after the step (``P``, the parameters' dtype);
-  stage 3: every bucket of a unit, each time the unit is gathered (or ``group`` packets with quantized weights,
-  ZeRO++ qwZ);
+  stage 3: every bucket of a unit, each time the unit is gathered;
 * the end of backward's agreement: one int32 all-reduce of a flag per trainable parameter, the step count twice
   and, at stage 3, the gathers' fingerprint twice;
 * with optimizers stepped on whole parameters (stages 1-3), the owner step's two all-to-alls in the master's dtype
   (``zero.runtime.step.owner_step``): every shard's pieces of gradient and master to their owners (2x the pieces
   this rank holds of others' parameters), then the updates back (the others' pieces of the parameters it owns);
 * with hierarchical sharding (``shard_size``, HSDP) all of the above inside the shard group (``group`` ranks), plus,
-  across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype; with quantized gradients an
-  all-to-all and an all-gather of ``replicas`` packets of ``ceil(C / replicas)`` elements each) and the agreement's
-  flags all-reduced again;
+  across the ``replicas`` groups, each reduce-scatter's shard (``C``, the reduce dtype) all-reduced and the
+  agreement's flags all-reduced again;
 * with ZeRO++'s hierarchical partitioning (``hierarchy="hpz"``, stage 3) all of the above over every rank (the shard
   group is the whole world, as without hierarchy), except the gathers issued while autograd's backward runs
   (backward and activation checkpointing's recomputation) of a unit whose secondary copy is current (gathered since
@@ -40,8 +37,13 @@ level      between which ranks                                                  
 
 (``opt.comm_stats``' ``intra_`` is ``zero.comm.hierarchy``'s name for hpZ's group communicator; here ``"intra"`` keeps
 its meaning of the group the parameters are sharded over, so hpZ's group is the level ``"hpz"``.) ``numel`` is the
-ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on the wire
-(quantized: the int8 blocks and their fp32 scales), as the communicator counts them; a group of one sends nothing.
+ZeRO paper's payload (a reduce-scatter's input, an all-gather's output) and ``bytes`` the bytes on the wire, as the
+communicator counts them; a group of one sends nothing. The all-gathers, reduce-scatters and HSDP's all-reduces go
+through the policy's codec (``zero.comm.hierarchy.codec_of``), which states their bytes on the wire and its wire's
+dtype (``zero.comm.codec.Codec.gather_cost`` and the others: the identity's are the payload's; ZeRO++'s qwZ and qgZ
+send ``group`` packets of ``zero.comm.quantization.packet_bytes(C, block_size)`` bytes, int8 or int4 blocks with an
+fp32 scale each, and across HSDP's groups an all-to-all and an all-gather of ``replicas`` packets of ``ceil(C /
+replicas)`` elements); the rest moves the tensors as they are.
 Not counted: what a user's ``clip_grad_norm_()`` adds (one all-reduce of a scalar), and with accumulation under
 ``no_sync()`` stage 3's gathers for the earlier micro-batches (each forward and backward gathers again).
 """
@@ -54,15 +56,14 @@ from typing import Any, Mapping, Union
 import torch
 from pydantic import ValidationError
 
+from zero.comm.hierarchy import codec_of
 from zero.comm.policy import Communication
-from zero.comm.quantization import packet_bytes
 from zero.config import ZeroConfig
 from zero.precision import DTYPES
 
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
 PREFIXES = {"intra": "", "inter": "inter_", "hpz": "intra_"}  # opt.comm_stats' name of a level's <kind>
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-QUANTIZED = {8: "int8", 4: "int4"}  # a quantized collective's wire dtype by bits: blocks, each with one fp32 scale
 FLAGS = torch.int32  # the end of backward's agreement
 
 CommunicationArg = Union[Communication, Mapping[str, Any], None]
@@ -190,7 +191,7 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
     (:meth:`zero.estimator.optimizers.Ownership.exchanged`), with whole-parameter optimizers over several shards."""
     counts: dict[tuple[str, str, str], list[int]] = {}
     sends = {"intra": group > 1, "inter": world_size > group, "hpz": secondary > 1}  # (a group of one sends nothing)
-    block = policy.block_size
+    codec = codec_of(policy)
     from_copies = (regathers or {}) if secondary else {}
 
     def add(kind: str, level: str, dtype: Any, numel: int, nbytes: int, calls: int = 1) -> None:
@@ -203,22 +204,20 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
         if w.trainable and stage == 0:
             add("all_reduce", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
         elif w.trainable:
-            if policy.quantized_gradients:
-                bits = policy.gradient_bits
-                add("reduce_scatter", "intra", QUANTIZED[bits], w.padded, group * packet_bytes(w.chunk, block, bits))
-            else:
-                add("reduce_scatter", "intra", w.reduce, w.padded, w.padded * w.reduce.itemsize)
-            _shard_across(add, w, policy, world_size // group)
+            cost = codec.reduce_scatter_cost(w.chunk, group, w.reduce)
+            add("reduce_scatter", "intra", cost.dtype, w.padded, cost.wire)
+            if sends["inter"]:  # HSDP: the reduced shard all-reduced across the groups
+                cost = codec.all_reduce_cost(w.chunk, world_size // group, w.reduce)
+                add("all_reduce", "inter", cost.dtype, w.chunk, cost.wire)
         if w.trainable and stage in (1, 2):  # after the step
-            add("all_gather", "intra", w.params, w.padded, w.padded * w.params.itemsize)
+            cost = codec.gather_cost(w.chunk, group, w.params)
+            add("all_gather", "intra", cost.dtype, w.padded, cost.wire)
         if stage == 3:
             copies = from_copies.get(w.unit or "", 0)  # hpZ: exact, inside the group, from the secondary copies
             add("all_gather", "hpz", w.params, copies * w.padded, copies * w.padded * w.params.itemsize, copies)
             n = gathers.get(w.unit or "", 0) - copies
-            if policy.quantized_weights:
-                add("all_gather", "intra", QUANTIZED[8], n * w.padded, n * group * packet_bytes(w.chunk, block), n)
-            else:
-                add("all_gather", "intra", w.params, n * w.padded, n * w.padded * w.params.itemsize, n)
+            cost = codec.gather_cost(w.chunk, group, w.params)
+            add("all_gather", "intra", cost.dtype, n * w.padded, n * cost.wire, n)
     if exchange is not None:  # (two calls, however little they carry)
         add("all_to_all", "intra", exchange[1], exchange[0], exchange[0] * exchange[1].itemsize, 2)
     flags = slots + 2 + (2 if stage == 3 else 0)  # used flags, the step count (v, -v), stage 3's fingerprint
@@ -227,18 +226,6 @@ def step_traffic(stage: int, wires: tuple[Wire, ...], slots: int, gathers: Mappi
     order = {kind: i for i, kind in enumerate(KINDS)}
     rows = sorted(counts.items(), key=lambda item: (LEVELS.index(item[0][1]), order[item[0][0]], item[0][2]))
     return Traffic(tuple(Collective(kind, level, dtype, *entry) for (kind, level, dtype), entry in rows))
-
-
-def _shard_across(add: Any, w: Wire, policy: Communication, replicas: int) -> None:
-    """HSDP: the bucket's reduced shard (``C``) all-reduced across the ``replicas`` groups; with quantized gradients
-    one all-to-all of ``replicas`` packets of ``ceil(C / replicas)`` elements, then an all-gather of as many
-    (``zero.comm.codec.QuantizedGradients.all_reduce``)."""
-    if policy.quantized_gradients:
-        piece = -(-w.chunk // replicas)
-        packet = packet_bytes(piece, policy.block_size, policy.gradient_bits)
-        add("all_reduce", "inter", QUANTIZED[policy.gradient_bits], w.chunk, 2 * replicas * packet)
-    else:
-        add("all_reduce", "inter", w.reduce, w.chunk, w.chunk * w.reduce.itemsize)
 
 
 def _name(dtype: Any) -> str:
