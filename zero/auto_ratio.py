@@ -30,9 +30,9 @@ from torch import nn
 from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.estimator import Workload, estimate
+from zero.estimator.configuration import Units
 from zero.estimator.estimator import HEADROOM
 from zero.estimator.partial_offload import least_offload, offload_boundaries
-from zero.estimator.workload import POLICIES
 from zero.runtime.build import model_device
 from zero.runtime.step.inner import as_list, same_kind
 from zero.sizes import format_bytes
@@ -87,26 +87,15 @@ def auto_ratio(config: ZeroConfig, optimizer: Any, model: nn.Module, example: St
             "offload.ratio='auto' prices the step with the estimator, which needs the loss and one micro-batch: pass "
             "example=zero.StepExample(loss=lambda model, x, y: ..., batch=(x, y)) to ZeroOptimizer, or choose the "
             "ratio with `zero estimate --gpu-memory` (or zero.estimator.plan) and set offload.ratio to it")
-    precision = next((name for name, policy in POLICIES.items() if policy == config.precision), None)
-    if precision is None:
-        raise ValueError(
-            f"offload.ratio='auto': the estimator prices fp32 and bf16 parameters (with bf16 or fp32 reduction), not "
-            f"precision={config.precision.model_dump(exclude_defaults=True)}; set offload.ratio to a number")
     budget = HEADROOM * _device_memory(config, device)
     workload = Workload(build=lambda: _fake_copy(model, device), loss=example.loss, batch=lambda micro: example.batch,
-                        optimizers=partial(_same_optimizers, optimizer, model),
-                        elementwise_optimizers=config.elementwise_optimizers,
-                        per_parameter_optimizers=config.per_parameter_optimizers)
-    checkpointing = config.activation_checkpointing if config.activation_checkpointing is not None else False
+                        optimizers=partial(_same_optimizers, optimizer, model))
     if say:
         _say(f"offload.ratio='auto': pricing one step at each ratio (budget {format_bytes(budget)})")
 
-    def priced(ratio: float) -> Any:
-        return estimate(workload, stage=config.stage, world_size=world_size, micro_batch=1, precision=precision,
-                        offload="cpu", params_offload=config.offload.params, checkpointing=checkpointing,
-                        bucket_size_mb=config.bucket_size_mb, max_in_flight_buckets=config.max_in_flight_buckets,
-                        prefetch_units=config.prefetch_units, communication=config.communication,
-                        offload_ratio=ratio, rank=rank)
+    def priced(ratio: float) -> Any:  # (the configuration that will run, at this ratio)
+        return estimate(workload, config, world_size=world_size, micro_batch=1, rank=rank,
+                        offload={**config.offload.model_dump(exclude_unset=True), "ratio": ratio, "gpu_memory": None})
 
     full = priced(1.0)
     if full.peak > budget:
@@ -115,7 +104,8 @@ def auto_ratio(config: ZeroConfig, optimizer: Any, model: nn.Module, example: St
             f"device memory at {full.event} ({full.phase}), over the budget of {format_bytes(budget)}. Offload "
             "parameters too (offload.params='cpu', stage 3), checkpoint activations, use a smaller micro-batch or "
             "more ranks (see `zero estimate --gpu-memory`)")
-    layout = workload.layout(config.stage, full.group_size, precision, config.bucket_size_mb)
+    layout = workload.layout(config.stage, full.group_size, config.precision, config.bucket_size_mb,
+                             units=Units.of(config))
     chosen = least_offload(priced, offload_boundaries(layout), full, budget)
     if say:
         _say(f"offload.ratio='auto' -> {chosen.offload_ratio:.4g}: estimated peak {format_bytes(chosen.peak)} of the "

@@ -105,8 +105,9 @@ class ZeroConfig(BaseModel):
     communication: Communication = Field(
         default_factory=Communication,
         description="Communication (zero.Communication, or a mapping): quantized_weights (ZeRO++ qwZ, stage 3), "
-        "quantized_gradients (qgZ), block_size, and shard_size for hierarchical sharding (shard within groups of "
-        "that many ranks, e.g. 'local' for one machine, replicate across them). Default: exact, one flat group.",
+        "quantized_gradients (qgZ), block_size, gather_codec and reduce_codec (a codec of your own, by import path), "
+        "and shard_size for hierarchical sharding (shard within groups of that many ranks, e.g. 'local' for one "
+        "machine, replicate across them). Default: exact, one flat group.",
     )
 
     activation_checkpointing: Optional[ActivationCheckpointing] = Field(
@@ -213,24 +214,7 @@ class ZeroConfig(BaseModel):
 
     @model_validator(mode="after")
     def _communication_stage(self) -> "ZeroConfig":
-        comm = self.communication
-        if comm.quantized_weights and self.stage != 3:
-            raise ValueError(
-                f"communication.quantized_weights needs stage 3 (got stage {self.stage}): below it every rank keeps "
-                "whole parameters, which model.state_dict() and the forward read, so int8 copies of other ranks' "
-                "chunks would be kept and saved as the weights. Use stage=3."
-            )
-        if comm.hierarchy == "hpz" and self.stage != 3:
-            raise ValueError(
-                f"communication.hierarchy='hpz' needs stage 3 (got stage {self.stage}): its secondary copy is of "
-                "the parameter shards that only stage 3 keeps. Use stage=3, or hierarchy='hsdp'."
-            )
-        if (comm.quantized_gradients or comm.shard_size is not None) and self.stage == 0:
-            what = "quantized_gradients" if comm.quantized_gradients else "shard_size"
-            raise ValueError(
-                f"communication.{what} needs stage 1, 2 or 3 (got stage 0): stage 0 all-reduces whole gradients "
-                "and shards nothing. Use stage 1 or higher."
-            )
+        self.communication.check_stage(self.stage)  # (its rules: qwZ and lossy gather codecs need stage 3, ...)
         return self
 
     @model_validator(mode="after")
@@ -242,6 +226,11 @@ class ZeroConfig(BaseModel):
     @property
     def bucket_size_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
+
+    @property
+    def unit_size_bytes(self) -> int | None:
+        """Stage 3's unit size in bytes (``unit_size_mb``), or ``None`` (units by class)."""
+        return None if self.unit_size_mb is None else int(self.unit_size_mb * 2**20)
 
     @classmethod
     def from_deepspeed(cls, source: Any, ignore: Any = (), **overrides: Any) -> DeepSpeedConfig[ZeroConfig]:

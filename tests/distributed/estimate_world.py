@@ -88,6 +88,9 @@ def _hf_loss(model, x):
 MODELS = {
     "gpt": (lambda: GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=64, num_layers=2, num_heads=4)),
             lambda m, x: m.loss(x, x), _tokens),
+    # wide, short and six blocks deep: the parameters make the peak, so units, gathering and buckets show
+    "gpt6": (lambda: GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=256, num_layers=6, num_heads=4)),
+             lambda m, x: m.loss(x, x), lambda micro: (torch.randint(0, 64, (micro, 8)),)),
     "hf-gpt2": (_gpt2, _hf_loss, _tokens),
     "hf-llama": (_llama, _hf_loss, _tokens),
     "hf-gpt2-frozen": (_gpt2_first_block_frozen, _hf_loss, _tokens),
@@ -127,6 +130,14 @@ HIERARCHICAL = ({"communication": {"shard_size": 2, "quantized_gradients": True}
                  "bucket_size_mb": 4},
                 {"communication": {"shard_size": 2, "hierarchy": "hpz", "quantized_weights": True,
                                    "quantized_gradients": True}})
+# ZeroConfig's memory-relevant fields away from their defaults (issue 43: the estimator once ignored the first three),
+# priced on a wide 6-block GPT (its units and buckets, several of each) at the stages they act at. (Not offload.ratio:
+# on CPU the host is the device, so the allocator cannot tell the device's part from the host's; a CUDA run can.)
+CONFIG_FIELDS = ({"reshard_after_forward": False}, {"unit_classes": ["CausalSelfAttention"]}, {"unit_size_mb": 1},
+                 {"prefetch_units": 2}, {"max_in_flight_buckets": 1, "bucket_size_mb": 2},
+                 {"activation_checkpointing": {"every": 2}})
+CONFIG_WORLD = 2
+STAGE_3_FIELDS = ("reshard_after_forward", "unit_classes", "unit_size_mb", "prefetch_units")
 POLICIES = {"fp32": {}, "mixed": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
             "mixed-fp32-reduce": {"param_dtype": "bf16"}}
 
@@ -150,14 +161,15 @@ def estimated(e) -> dict:
     """The estimator's peak, its breakdown by category and where it falls (the keys of :func:`measured`, named
     ``estimated...``)."""
     return {"estimated": e.peak, "estimated_categories": {k: v for k, v in e.categories.items() if v},
-            "estimated_where": f"{e.phase} {e.module} {e.event}"}
+            "estimated_where": f"{e.phase} {e.module} {e.event}", "estimated_host": e.host}
 
 
 def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", checkpointing: bool = False,
             no_sync: bool = False, communication: dict | None = None, bucket_size_mb: float = 25,
-            every_op: bool = False, optimizers=None, inspect=None) -> dict:
+            every_op: bool = False, optimizers=None, inspect=None, **fields) -> dict:
     """The measured peak of two steps (:func:`measured`); ``optimizers(model)``: what ``ZeroOptimizer`` wraps (default
-    AdamW); ``inspect(prof, opt)``: more of the run to return, under ``"inspected"``."""
+    AdamW); ``inspect(prof, opt)``: more of the run to return, under ``"inspected"``; ``fields``: more of
+    ``ZeroConfig``'s."""
     gc.collect()
     torch.manual_seed(0)
     model = build()
@@ -165,7 +177,7 @@ def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", check
     wrapped = optimizers(model) if optimizers is not None else torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt = zero.ZeroOptimizer(wrapped, model, stage=stage,
                              precision=POLICIES[precision], communication=communication or {},
-                             bucket_size_mb=bucket_size_mb, **extra)
+                             bucket_size_mb=bucket_size_mb, **extra, **fields)
     with zero.profile(model, opt, every_op=every_op) as prof:
         for _ in range(2):
             if no_sync:  # a micro-batch accumulated locally first, as the Trainer does
@@ -183,17 +195,22 @@ def measure(build, loss_fn, batch, stage: int, *, precision: str = "fp32", check
 
 
 def stages(variant: dict) -> tuple[int, ...]:
-    """The stages a variant runs at (ZeroConfig's rules: quantized weights at stage 3, gradients at 1-3)."""
+    """The stages a variant runs at (ZeroConfig's rules: quantized weights at stage 3, gradients at 1-3; stage 3's
+    unit and gathering fields at stage 3, offload at stages 1-3)."""
+    if set(variant) & set(STAGE_3_FIELDS):
+        return (3,)
     return stages_for(validated(variant.get("communication")), STAGES)
 
 
 def main(world_size: int, only: str = "") -> None:
     init_fake_world(world_size)
     out = {}
-    runs = [(name, micro, {}) for name in MODELS for micro in MICRO_BATCHES if name not in PARTIAL]
+    runs = [(name, micro, {}) for name in MODELS for micro in MICRO_BATCHES if name not in (*PARTIAL, "gpt6")]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL]
     runs += [("gpt", MICRO_BATCHES[0], variant) for variant in VARIANTS]
     runs += [("gpt-wide", MICRO_BATCHES[0], {"communication": policy}) for policy in COMMUNICATION]
+    if world_size == CONFIG_WORLD:  # (the fields act alike at any world size; 3 minutes a world on 2 cores)
+        runs += [("gpt6", MICRO_BATCHES[0], variant) for variant in ({}, *CONFIG_FIELDS)]
     if world_size == HIERARCHICAL_WORLD:
         runs = [("gpt-wide", MICRO_BATCHES[0], variant) for variant in HIERARCHICAL]
     workloads = {name: Workload(*MODELS[name]) for name in MODELS}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import re
 import resource
@@ -22,7 +21,9 @@ from zero import zero_model_state_bytes
 from zero.cli.main import build_parser
 from zero.cli.main import main as cli_main
 from zero.estimator import Workload, estimate, model_states, parse_size, plan, sources, trace
+from zero.estimator.configuration import POLICIES, precision_name, priced_config
 from zero.models import GPT, GPTConfig, synthetic_batch
+from zero.precision import MixedPrecision
 from zero.sizes import format_bytes, format_count
 
 SMALL = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
@@ -87,7 +88,7 @@ def test_large_micro_batches_are_extrapolated_exactly():
     workload = _gpt_workload()
     extrapolated = workload.timeline(7)
     assert extrapolated.points == workload._trace(7, "fp32", False).points
-    assert set(workload._timelines) == {(2, "fp32", ""), (3, "fp32", ""), (7, "fp32", "")}  # 7 was not traced
+    assert sorted(key[0] for key in workload._timelines) == [2, 3, 7]  # 7 was not traced (one precision, policy)
 
 
 def test_the_step_trace_prices_the_wrapped_optimizer():
@@ -189,8 +190,12 @@ def test_bad_input():
             parse_size(text)
     with pytest.raises(ValueError, match="precision must be one of"):
         model_states(10, 2, 1, "fp8")
-    with pytest.raises(ValueError, match="offload needs stage 1, 2 or 3"):
+    with pytest.raises(ValueError, match="offload.optimizer='cpu' needs stage 1, 2 or 3"):  # ZeroConfig's own rule
         estimate(_gpt_workload(), stage=0, world_size=2, micro_batch=1, offload=True)
+    with pytest.raises(ValueError, match="unknown setting 'unit_class'.*unit_classes"):  # a typo, named
+        estimate(_gpt_workload(), stage=3, world_size=2, micro_batch=1, unit_class=["Block"])
+    with pytest.raises(ValueError, match="config must be a zero.ZeroConfig, got dict"):
+        estimate(_gpt_workload(), {"stage": 3}, world_size=2, micro_batch=1)
 
     def data_dependent(model, x, y):  # cannot run without data
         return model.loss(x[:, : int(x.max().item()) + 1], y)
@@ -292,10 +297,14 @@ def test_cli(capsys):
     assert cli_main(["estimate", "--gpu-memory", "64MiB", "--world-size", "2", *small]) == 0
     out = capsys.readouterr().out
     assert "fits, best first" in out and "stage 0, micro-batch 8" in out and "peak at" in out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         cli_main(["estimate", "--gpu-memory", "24 parsecs", *small])
-    with pytest.raises(SystemExit):
+    assert exit_info.value.code == 2
+    assert "argument --gpu-memory: expected a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
         cli_main(["estimate", "--gpu-memory", "24GiB", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
 # a model module for --model (imported by name from this test module)
@@ -421,11 +430,10 @@ def _estimate_parser_option(flag: str) -> argparse.Action:
 
 def test_one_default_precision_stated_in_python_and_on_the_command_line():
     """estimate() once defaulted to fp32 and zero estimate to mixed precision."""
-    option = _estimate_parser_option("--precision")
-    for fn in (estimate, plan):
-        assert inspect.signature(fn).parameters["precision"].default == option.default == "fp32"
-    assert option.help.startswith("fp32 (the default")
-    assert '``"fp32"`` (the default' in estimate.__doc__ and '``"fp32"`` by default' in plan.__doc__
+    option = _estimate_parser_option("--precision")  # (unset: --config's precision, else ZeroConfig's default)
+    assert option.default is None and option.help.startswith("fp32 (the default without --config")
+    assert priced_config().precision == POLICIES["fp32"] == MixedPrecision()  # estimate() and plan() take ZeroConfig's
+    assert precision_name(priced_config().precision) == "fp32"
 
 
 def test_the_estimate_table_chooses_units_by_magnitude_and_json_holds_whole_bytes(capsys, tmp_path):

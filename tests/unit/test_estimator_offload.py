@@ -137,12 +137,13 @@ def test_parameter_offload_takes_the_shards_off_the_device():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(offload="nvme"), "offload must be 'none', 'cpu' or 'disk'"),
-        (dict(params_offload=True), "params_offload must be 'none', 'cpu' or 'disk'"),
-        (dict(params_offload="cpu", stage=2), "params_offload='cpu' needs stage 3 .got stage 2.*Use stage=3"),
-        (dict(params_offload="disk", offload="cpu", stage=3), "use offload='disk'"),
-        (dict(offload="disk", stage=0), "offload needs stage 1, 2 or 3.*offload='none'"),
-        (dict(offload="disk", buffer_count=0), "buffer_count .* from 1 to 64, got 0"),
+        # (ZeroConfig's own rules and messages: the estimator validates the configuration as ZeroOptimizer does)
+        (dict(offload="nvme"), "offload.optimizer\n.*'none', 'cpu' or 'disk'"),
+        (dict(params_offload=True), "offload.params\n.*'none', 'cpu' or 'disk'"),
+        (dict(params_offload="cpu", stage=2), "offload.params='cpu' needs stage 3 .got stage 2.*Use stage=3"),
+        (dict(params_offload="disk", offload="cpu", stage=3), "set offload.optimizer='disk'"),
+        (dict(offload="disk", stage=0), "offload.optimizer='disk' needs stage 1, 2 or 3.*Use stage 1 or higher"),
+        (dict(offload="disk", buffer_count=0), "offload.buffer_count\n.*greater than or equal to 1"),
     ],
     ids=str,
 )

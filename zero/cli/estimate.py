@@ -11,12 +11,14 @@ from typing import Any
 
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
 from zero.cli.types import SIZE_HELP, memory_size, whole_number, whole_number_range
+from zero.comm.policy import Communication
 from zero.config import ZeroConfig
 from zero.estimator import sources
+from zero.estimator.configuration import DISK_PATH, POLICIES, precision_name, priced_config
 from zero.estimator.estimator import HEADROOM, Estimate, plan
-from zero.estimator.offloading import BUFFER_COUNTS, DISK_PATH, OffloadChoice
+from zero.estimator.offloading import BUFFER_COUNTS
 from zero.estimator.traffic import Traffic, validated
-from zero.estimator.workload import POLICIES, Workload
+from zero.estimator.workload import Workload
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
 # ZeroConfig(precision=...) for each --precision the estimator prices
@@ -40,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"host memory each rank may use for offloaded state, e.g. 64 or 200GB, "
                         f"{size_range(*HOST_MEMORY)} ({SIZE_HELP}); with it, offload to disk is priced too and a "
                         "configuration whose host bytes exceed it does not fit (default: no host budget)")
-    parser.add_argument("--buffer-count", type=whole_number(*BUFFER_COUNTS), default=2,
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="the ZeroConfig your run uses (.json, .yaml or .yml, as ZeroConfig.from_file reads it): "
+                        "its precision, units, prefetch, buckets, communication and checkpointing policy are priced; "
+                        "the options below override it, and stage, offload and checkpointing are what the plan tries")
+    parser.add_argument("--buffer-count", type=whole_number(*BUFFER_COUNTS), default=None,
                         help=f"with offload to disk: buckets mapped in host memory at a time (offload.buffer_count), "
                         f"{whole_number_range(*BUFFER_COUNTS)} (default 2)")
     parser.add_argument("--world-size", type=whole_number(*WORLD_SIZES), default=8,
@@ -48,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=whole_number(*MICRO_BATCHES), nargs="+", default=[1, 2, 4, 8],
                         help=f"sequences per rank, each {whole_number_range(*MICRO_BATCHES)}; one or more sizes to try "
                         "(default 1 2 4 8)")
-    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default="fp32",
-                        help="fp32 (the default, as ZeroOptimizer's own: no mixed precision; also zero.estimate's); "
+    parser.add_argument("--precision", choices=sorted(PRECISION_POLICIES), default=None,
+                        help="fp32 (the default without --config, as ZeroOptimizer's own: no mixed precision); "
                         "mixed (the ZeRO paper's: bf16 parameters, gradients and gradient reduction, fp32 master "
                         "weights); mixed-fp32-reduce (bf16 parameters and gradients, gradients reduced and kept in "
                         "fp32)")
@@ -69,17 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantized-gradients", action="store_true",
                         help="stages 1-3: reduce-scatter gradients as int8 blocks through one all-to-all (ZeRO++ qgZ, "
                         "communication.quantized_gradients); lossy")
-    parser.add_argument("--gradient-bits", choices=("8", "4"), default="8",
+    parser.add_argument("--gradient-bits", choices=("8", "4"), default=None,
                         help="with --quantized-gradients: 8 (int8, the default) or 4 (int4, two values a byte, "
                         "communication.gradient_bits; needs an even --block-size)")
-    parser.add_argument("--block-size", type=whole_number(*BLOCK_SIZES), default=256,
+    parser.add_argument("--block-size", type=whole_number(*BLOCK_SIZES), default=None,
                         help=f"elements per quantization block (one fp32 scale each), "
                         f"{whole_number_range(*BLOCK_SIZES)} (default 256)")
     parser.add_argument("--shard-size", type=whole_number(*WORLD_SIZES), default=None,
                         help=f"stages 1-3, hierarchical sharding (HSDP): shard the model states over groups of this "
                         f"many consecutive ranks (e.g. one machine's GPUs) and replicate across groups; must divide "
                         f"--world-size, {whole_number_range(*WORLD_SIZES)} (default: one group of every rank)")
-    parser.add_argument("--hierarchy", choices=("hsdp", "hpz"), default="hsdp",
+    parser.add_argument("--hierarchy", choices=("hsdp", "hpz"), default=None,
                         help="with --shard-size: hsdp (the default) shards within each group and replicates across "
                         "groups; hpz (ZeRO++'s hierarchical partitioning, stage 3) shards over every rank and keeps a "
                         "secondary copy of 1/shard-size of the parameters per rank, from which backward gathers "
@@ -95,35 +101,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def zero_config_kwargs(e: Estimate) -> dict[str, Any]:
-    """The ``ZeroConfig`` / ``ZeroOptimizer`` keyword arguments of the configuration ``e`` prices
-    (only those that differ from the defaults, besides the stage)."""
-    kwargs: dict[str, Any] = {"stage": e.stage}
-    if PRECISION_POLICIES[e.precision]:
-        kwargs["precision"] = PRECISION_POLICIES[e.precision]
-    # (an Estimate; or anything with stage, precision, offload (a bool: CPU offload) and checkpointing)
-    optimizer = getattr(e, "optimizer_offload", "cpu" if e.offload else "none")
-    params = getattr(e, "params_offload", "none")
-    if optimizer != "none" or params != "none":
-        kwargs["offload"] = OffloadChoice(optimizer, params, getattr(e, "buffer_count", 2),
-                                          getattr(e, "offload_ratio", 1.0)).config()
-    if e.checkpointing:
-        kwargs["activation_checkpointing"] = {}  # every block of the model's nn.ModuleList
-    if getattr(e, "communication_config", None):  # (e.communication is the memory category)
-        kwargs["communication"] = dict(e.communication_config)
-    return kwargs
+    """The ``ZeroConfig`` / ``ZeroOptimizer`` keyword arguments of the configuration ``e`` prices, ``e.config`` (only
+    those that differ from the defaults, besides the stage)."""
+    return {"stage": e.config.stage, **e.config.model_dump(mode="json", exclude_defaults=True)}
 
 
-def communication(args: argparse.Namespace) -> dict[str, Any]:
-    """``ZeroConfig(communication=...)``'s value for the options (only what differs from the defaults; a rule they
-    break is a ``ValueError`` with the rule's message)."""
-    return validated(dict(quantized_weights=args.quantized_weights, quantized_gradients=args.quantized_gradients,
-                          gradient_bits=int(args.gradient_bits), block_size=args.block_size,
-                          shard_size=args.shard_size, hierarchy=args.hierarchy)).model_dump(exclude_defaults=True)
+def communication(args: argparse.Namespace, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``ZeroConfig(communication=...)``'s value for the options over ``base`` (``--config``'s; only what differs
+    from the defaults; a rule they break is a ``ValueError`` with the rule's message)."""
+    given = dict(quantized_weights=args.quantized_weights or None, quantized_gradients=args.quantized_gradients or None,
+                 gradient_bits=int(args.gradient_bits) if args.gradient_bits else None, block_size=args.block_size,
+                 shard_size=args.shard_size, hierarchy=args.hierarchy)
+    fields = {**(base or {}), **{k: v for k, v in given.items() if v is not None}}
+    return validated(fields).model_dump(exclude_defaults=True)
 
 
-def zero_config(e: Estimate) -> ZeroConfig:
-    """The validated :class:`zero.ZeroConfig` that runs the configuration ``e`` prices."""
-    return ZeroConfig(**zero_config_kwargs(e))
+def base_config(args: argparse.Namespace) -> ZeroConfig:
+    """The configuration the plan varies: ``--config``'s file (or the defaults) with the options applied."""
+    try:
+        config = ZeroConfig.from_file(args.config) if args.config else ZeroConfig()
+    except OSError as err:
+        raise ValueError(f"cannot read --config {args.config}: {err.strerror or err}") from err
+    settings: dict[str, Any] = {"communication": communication(args, config.communication.model_dump(
+        exclude_defaults=True))}
+    if args.precision is not None:
+        settings["precision"] = args.precision
+    if args.buffer_count is not None:
+        settings["buffer_count"] = args.buffer_count
+    return priced_config(config, stage=3, **settings)  # (the plan tries every stage the policy runs at)
 
 
 def workload(args: argparse.Namespace) -> tuple[Workload, str]:
@@ -145,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan_and_print(args: argparse.Namespace) -> int:
-    policy = communication(args)  # (refused before the model is traced)
+    base = base_config(args)  # (refused before the model is traced)
     work, described = workload(args)
     print(f"tracing {described}: forward, loss and backward on fake tensors (no memory is allocated) ...",
           flush=True)
@@ -154,21 +159,22 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
-    result = plan(work, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
-                  precision=args.precision, no_sync=args.no_sync_accumulation, progress=progress,
-                  host_memory=args.host_memory, buffer_count=args.buffer_count, communication=policy)
+    result = plan(work, base, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
+                  no_sync=args.no_sync_accumulation, progress=progress, host_memory=args.host_memory)
     budget = HEADROOM * args.gpu_memory
     host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
-    print(f"\nper-rank peak, {args.precision} precision, {_ranks(args)}{_quantized(args)}, "
+    policy = base.communication
+    print(f"\nper-rank peak, {precision_name(base.precision)} precision, {_ranks(args.world_size, policy)}"
+          f"{_quantized(policy)}, "
           f"budget {format_bytes(budget)} ({HEADROOM:.0%} of {format_bytes(args.gpu_memory)}){host}")
-    if work.assignment().several_or_whole:  # (each rank holds different optimizer state: the worst one is shown)
+    declared = work.declaring(base.elementwise_optimizers, base.per_parameter_optimizers)
+    if declared.assignment().several_or_whole:  # (each rank holds different optimizer state: the worst one is shown)
         print("(several optimizers, or one stepped on whole parameters: the ranks differ, and each configuration is\n"
               " priced on its worst rank, `rank` in --json)")
     shown = result.fits[: args.show]
     if shown:
         print(f"\nfits, best first ({len(result.fits)}):")
         _table(shown)
-        zero_config(shown[0])  # validated as ZeroOptimizer will: a configuration it refuses would fail here
         kwargs = ", ".join(f"{k}={v!r}" for k, v in zero_config_kwargs(shown[0]).items())
         print(f"to run the first: ZeroOptimizer(optimizer, model, {kwargs})")
         if shown[0].optimizer_offload == "disk":
@@ -205,23 +211,24 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _ranks(args: argparse.Namespace) -> str:
-    ranks = _count(args.world_size, "rank")
-    if args.shard_size is None or args.shard_size == args.world_size:
+def _ranks(world_size: int, policy: Communication) -> str:
+    ranks = _count(world_size, "rank")
+    size = policy.group_size(world_size)
+    if size == world_size:
         return ranks
-    groups = args.world_size // args.shard_size
-    if args.hierarchy == "hpz":
-        return f"{ranks} (hpZ: secondary copies over {_count(groups, 'group')} of {args.shard_size})"
-    return f"{ranks} ({_count(groups, 'shard group')} of {args.shard_size})"
+    groups = world_size // size
+    if policy.hierarchy == "hpz":
+        return f"{ranks} (hpZ: secondary copies over {_count(groups, 'group')} of {size})"
+    return f"{ranks} ({_count(groups, 'shard group')} of {size})"
 
 
-def _quantized(args: argparse.Namespace) -> str:
+def _quantized(policy: Communication) -> str:
     """", int8 weights and gradients (blocks of 256)" and the like; "" without quantization."""
-    weights = ["int8 weights"] if args.quantized_weights else []
-    same = weights and args.gradient_bits == "8"  # "int8 weights and gradients"
-    gradients = ["gradients" if same else f"int{args.gradient_bits} gradients"] if args.quantized_gradients else []
+    weights = ["int8 weights"] if policy.quantized_weights else []
+    same = weights and policy.gradient_bits == 8  # "int8 weights and gradients"
+    gradients = ["gradients" if same else f"int{policy.gradient_bits} gradients"] if policy.quantized_gradients else []
     what = weights + gradients
-    return f", {' and '.join(what)} (blocks of {args.block_size})" if what else ""
+    return f", {' and '.join(what)} (blocks of {policy.block_size})" if what else ""
 
 
 def _traffic_table(e: Estimate) -> None:

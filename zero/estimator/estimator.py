@@ -36,23 +36,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from zero.activations import ActivationCheckpointing
+from zero.config import ZeroConfig
 from zero.estimator.census import Trace, trace  # noqa: F401 - re-exported (zero.estimator.trace)
 from zero.estimator.codec_memory import CodecMemory
-from zero.estimator.offloading import OFFLOADS, OffloadArg, offload_choice
+from zero.estimator.configuration import DISK_PATH, POLICIES, Units, precision_name, priced_config
+from zero.estimator.offloading import OFFLOADS, OffloadChoice
 from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.schedule import Options, replay
-from zero.estimator.traffic import (
-    CommunicationArg,
-    Traffic,
-    check_stage,
-    communication_policy,
-    secondary_size,
-    stages_for,
-    step_traffic,
-)
-from zero.estimator.workload import POLICIES, Checkpointing, Workload, policy_key
+from zero.estimator.traffic import Traffic, communication_policy, secondary_size, stages_for, step_traffic
+from zero.estimator.workload import Workload
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
+from zero.offload import Offload
 from zero.precision import DTYPES, MixedPrecision
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
@@ -121,6 +117,7 @@ class Estimate:
     secondary_size: int = 0  # hpZ: ranks of a group holding the secondary copies (shard_size), else 0
     traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
     rank: int = 0  # the rank priced: the one asked for, else the worst (see estimate()), else 0
+    config: ZeroConfig = field(default_factory=ZeroConfig)  # the configuration priced, as ZeroOptimizer takes it
 
     @property
     def peak(self) -> float:
@@ -136,79 +133,71 @@ class Estimate:
         and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
         categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
         return {**asdict(self), "categories": categories, "host": round(self.host), "disk": round(self.disk),
-                "peak": sum(categories.values()), "traffic": self.traffic.as_dict()}
+                "peak": sum(categories.values()), "traffic": self.traffic.as_dict(),
+                "config": self.config.model_dump(mode="json", exclude_defaults=True)}
 
 
 def estimate(
     workload: Workload,
+    config: ZeroConfig | None = None,
     *,
-    stage: int,
     world_size: int,
     micro_batch: int,
-    precision: str = "fp32",
-    offload: OffloadArg = "none",
-    checkpointing: Checkpointing = False,
-    bucket_size_mb: float = 25,
-    max_in_flight_buckets: int = 2,
-    prefetch_units: int = 1,
     no_sync: bool = False,
-    params_offload: str = "none",
-    buffer_count: int = 2,
-    communication: CommunicationArg = None,
-    offload_ratio: float = 1.0,
     rank: int | None = None,
+    **settings: Any,
 ) -> Estimate:
     """One rank's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
-    ``ZeroOptimizer(stage=stage, ...)`` on ``world_size`` ranks: the step traced on fake tensors
-    (:mod:`zero.estimator.timeline`) replayed with the stage's buffer schedule (:mod:`zero.estimator.schedule`).
+    ``ZeroOptimizer(optimizer, model, config)`` on ``world_size`` ranks: the step traced on fake tensors
+    (:mod:`zero.estimator.timeline`) replayed with the configuration's buffer schedule (:mod:`zero.estimator.schedule`).
 
-    ``precision``: ``"fp32"`` (the default, as ``ZeroOptimizer``'s own and ``zero estimate``'s: no mixed precision),
-    ``"mixed"`` (the ZeRO paper's: bf16 parameters, gradients and reduction, fp32 master weights,
-    ``ZeroConfig(precision={"param_dtype": "bf16", "reduce_dtype": "bf16"})``) or ``"mixed-fp32-reduce"``
-    (``ZeroConfig(precision={"param_dtype": "bf16"})``: gradients reduced and kept in fp32).
-    ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList``
-    (``ZeroConfig(activation_checkpointing={})``), or a policy as ``ZeroConfig.activation_checkpointing`` takes it
-    (a dict or :class:`zero.ActivationCheckpointing`);
-    ``offload``: where the optimizer's side (fp32 master, gradient shard, optimizer state) lives, ``"none"`` (the
-    device), ``"cpu"`` (``ZeroConfig(offload={"optimizer": "cpu"})``) or ``"disk"`` (``{"optimizer": "disk", "path":
-    ...}``; ``False`` and ``True`` read as ``"none"`` and ``"cpu"``), stages 1-3; ``params_offload``: stage 3's
-    parameter shards, ``"cpu"`` or ``"disk"`` (``offload={"params": ...}``, which takes the optimizer's side along);
-    ``buffer_count``: with disk, how many buckets are mapped in host memory at a time; ``offload_ratio``: with
-    ``"cpu"``, the share of it offloaded, in whole buckets (``offload={"ratio": ...}``). The estimate's ``categories``
-    are device memory, ``host`` host memory (with disk: ``buffer_count`` of the largest buckets' files) and ``disk``
-    the offload file. ``no_sync``: gradient accumulation with earlier micro-batches under ``opt.no_sync()`` (the
-    Trainer's and Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces
-    them (at stages 2-3 too).
-    ``communication``: ``ZeroConfig(communication=...)``'s policy (a :class:`zero.Communication` or a mapping; default
-    exact and flat). With ``shard_size`` (HSDP) the model states are those of a ``shard_size``-rank world (each rank
-    holds ``1/shard_size``); with ``hierarchy="hpz"`` (stage 3) those of the whole world, plus each bucket's secondary
-    copy (``1/shard_size`` of it in the parameters' dtype, under ``parameters``). The estimate's ``traffic`` is one
-    step's collectives, what ``opt.comm_stats`` counts (by kind, wire dtype and level: ``"intra"`` among the ranks the
-    parameters are sharded over, the whole world without hierarchy and with hpZ, ``"inter"`` across HSDP's groups,
-    ``"hpz"`` inside hpZ's groups; :mod:`zero.estimator.traffic`).
+    ``config``: the :class:`zero.ZeroConfig` the run uses, every field of which is priced or declared memory-neutral
+    (:mod:`zero.estimator.configuration`); ``settings`` are applied on top of it: its fields by name (``stage=3``,
+    ``unit_classes=["Block"]``, ``reshard_after_forward=False`` ...) or the estimator's shorthands:
+
+    * ``precision``: ``"fp32"`` (no mixed precision), ``"mixed"`` (the ZeRO paper's: bf16 parameters, gradients and
+      reduction, fp32 master weights, ``precision={"param_dtype": "bf16", "reduce_dtype": "bf16"}``) or
+      ``"mixed-fp32-reduce"`` (``precision={"param_dtype": "bf16"}``: gradients reduced and kept in fp32), or the
+      field's own value;
+    * ``checkpointing``: ``True`` for every block of the model's ``nn.ModuleList`` (``activation_checkpointing={}``),
+      or a policy as ``activation_checkpointing`` takes it;
+    * ``offload``: where the optimizer's side (fp32 master, gradient shard, optimizer state) lives, ``"none"``,
+      ``"cpu"`` or ``"disk"`` (``False`` and ``True`` read as ``"none"`` and ``"cpu"``; disk's directory is a stand-in
+      unless ``offload={"path": ...}`` is given), or the field's own value; ``params_offload`` (``offload.params``,
+      stage 3's parameter shards, which take the optimizer's side along), ``buffer_count`` (``offload.buffer_count``:
+      with disk, how many buckets are mapped in host memory at a time) and ``offload_ratio`` (``offload.ratio``).
+
+    The estimate's ``categories`` are device memory, ``host`` host memory (with disk: ``buffer_count`` of the largest
+    buckets' files) and ``disk`` the offload file; ``config`` the validated ``ZeroConfig`` priced.
+    ``no_sync``: gradient accumulation with earlier micro-batches under ``opt.no_sync()`` (the Trainer's and
+    Accelerate's way), which keeps the gradients whole until the last micro-batch's backward reduces them (at stages
+    2-3 too). With ``communication.shard_size`` (HSDP) the model states are those of a ``shard_size``-rank world; with
+    ``hierarchy="hpz"`` (stage 3) those of the whole world, plus each bucket's secondary copy (``1/shard_size`` of it
+    in the parameters' dtype, under ``parameters``). The estimate's ``traffic`` is one step's collectives, what
+    ``opt.comm_stats`` counts (:mod:`zero.estimator.traffic`).
     ``rank``: the rank priced (``Estimate.rank``). By default rank 0, or, with several optimizers or one stepped on
     whole parameters (``Workload(optimizers=...)``: Muon, Adafactor, ...), where the ranks differ (each whole
     parameter's state lives on its owner, which also holds its whole gradient and master during the step), the
     higher peak of two: the rank holding the most optimizer state and the rank owning the most whole-parameter
     elements.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+    config = priced_config(config, **settings)
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
-    _precision(precision)
-    choice = offload_choice(offload, params_offload, stage, buffer_count, offload_ratio)
-    policy, group = communication_policy(communication, world_size)
-    check_stage(policy, stage)
-    secondary = secondary_size(policy, world_size)
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be a whole number from 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
-    options = Options(choice, max_in_flight_buckets, prefetch_units, no_sync, CodecMemory.of(policy, group, world_size))
-    timeline = workload.timeline(micro_batch, precision, checkpointing)
+    choice = OffloadChoice.of(config.offload)
+    policy, group = communication_policy(config.communication, world_size)
+    secondary = secondary_size(policy, world_size)
+    workload = workload.declaring(config.elementwise_optimizers, config.per_parameter_optimizers)
+    precision, units, checkpointing = config.precision, Units.of(config), config.activation_checkpointing
+    options = Options(choice, config.max_in_flight_buckets, config.prefetch_units, config.reshard_after_forward,
+                      no_sync, CodecMemory.of(policy, group, world_size))
+    timeline = workload.timeline(micro_batch, precision, checkpointing, units)
 
     def priced(shard: int | None) -> tuple[Any, Any]:
-        layout = workload.layout(stage, group, precision, bucket_size_mb, choice, secondary_shards=max(1, secondary),
-                                 rank=shard)
+        layout = workload.layout(config.stage, group, precision, config.bucket_size_mb, choice,
+                                 secondary_shards=max(1, secondary), rank=shard, units=units)
         return layout, replay(timeline, layout, workload.step(layout, precision), options)
 
     layout, peak = priced(rank)
@@ -217,16 +206,17 @@ def estimate(
         if other[1].total > peak.total:
             layout, peak = other
     owners = layout.owners
-    exchange = (owners.exchanged, master_dtype(POLICIES[precision])) if owners.num_shards > 1 else None
+    exchange = (owners.exchanged, master_dtype(precision)) if owners.num_shards > 1 else None
     return Estimate(
-        stage=stage, world_size=world_size, micro_batch=micro_batch, precision=precision, offload=choice.offloaded,
-        checkpointing=bool(policy_key(checkpointing)), categories=peak.categories, host=peak.off.host, phase=peak.phase,
-        module=peak.module, event=peak.event, disk=peak.off.disk, optimizer_offload=choice.optimizer,
-        params_offload=choice.params, buffer_count=choice.buffer_count, offload_ratio=choice.ratio,
-        communication_config=policy.model_dump(exclude_defaults=True), group_size=group, secondary_size=secondary,
-        traffic=step_traffic(stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy, group,
-                             world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
-        rank=rank if rank is not None else owners.shard,
+        stage=config.stage, world_size=world_size, micro_batch=micro_batch, precision=precision_name(precision),
+        offload=choice.offloaded, checkpointing=checkpointing is not None, categories=peak.categories,
+        host=peak.off.host, phase=peak.phase, module=peak.module, event=peak.event, disk=peak.off.disk,
+        optimizer_offload=choice.optimizer, params_offload=choice.params, buffer_count=choice.buffer_count,
+        offload_ratio=choice.ratio, communication_config=policy.model_dump(exclude_defaults=True), group_size=group,
+        secondary_size=secondary,
+        traffic=step_traffic(config.stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy,
+                             group, world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
+        rank=rank if rank is not None else owners.shard, config=config,
     )
 
 
@@ -238,60 +228,61 @@ class Plan:
 
 def plan(
     workload: Workload,
+    config: ZeroConfig | None = None,
     *,
     gpu_memory: float,
     world_size: int,
     micro_batches: list[int],
-    precision: str = "fp32",
     headroom: float = HEADROOM,
     no_sync: bool = False,
     progress: Callable[[str], None] | None = None,
     host_memory: float | None = None,
-    buffer_count: int = 2,
-    communication: CommunicationArg = None,
+    **settings: Any,
 ) -> Plan:
-    """Every stage × offload × checkpointing × micro-batch; those whose peak fits in
-    ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA context), and whose host bytes fit in
-    ``host_memory`` when it is given, best first.
+    """Every stage × offload × checkpointing × micro-batch over ``config`` (with ``settings`` applied, as
+    :func:`estimate` takes them; its other fields, such as precision, units, prefetch, buckets and communication, are
+    kept); those whose peak fits in ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA
+    context), and whose host bytes fit in ``host_memory`` when it is given, best first.
 
     Offload is ``"none"`` and ``"cpu"`` (stages 1-3), and with a ``host_memory`` budget (bytes of host memory this
-    rank may use) also ``"disk"`` (``buffer_count`` buckets mapped at a time): without a host budget offload to
-    the CPU fits wherever offload to disk does (the same device bytes) and is faster. Offload to the CPU offloads
+    rank may use) also ``"disk"`` (``offload.buffer_count`` buckets mapped at a time): without a host budget offload
+    to the CPU fits wherever offload to disk does (the same device bytes) and is faster. Offload to the CPU offloads
     the least that fits (``offload_ratio``, :func:`least_offload`): the rest of the optimizer side steps on the
     device, concurrently with the host's part (where no offload fits, full CPU offload is listed as the
-    configuration with the least device memory).
+    configuration with the least device memory). Checkpointing is none, and ``config``'s policy if it has one, else
+    every block of the model's ``nn.ModuleList``.
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload before CPU offload before disk (host transfers, then
     disk reads and writes: the slowest), lower stage (stage 3 moves 1.5x the data).
-    ``precision`` (``"fp32"`` by default), ``no_sync`` and ``communication``: see :func:`estimate` (only the stages
-    ``ZeroConfig`` runs the policy at are tried: quantized weights need stage 3, the rest stages 1-3).
-    ``progress`` is told about each trace as it starts."""
+    ``no_sync``: see :func:`estimate` (only the stages ``ZeroConfig`` runs the communication policy at are tried:
+    quantized weights need stage 3, the rest stages 1-3). ``progress`` is told about each trace as it starts."""
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"host memory must be positive (or None: no host budget), got {host_memory}")
+    base = priced_config(config, **{"stage": 3, **settings})  # (the stage is what the plan varies; 3 runs any policy)
     budget = headroom * gpu_memory
-    stages = stages_for(communication_policy(communication, world_size)[0], STAGES)  # (and shard_size divides it)
+    stages = stages_for(communication_policy(base.communication, world_size)[0], STAGES)  # (shard_size divides it)
     offloads = OFFLOADS if host_memory is not None else OFFLOADS[:2]
-    if workload.assignment().several_or_whole:  # (offload to disk pages one elementwise optimizer's state)
-        offloads = tuple(o for o in offloads if o != "disk")
+    if workload.declaring(base.elementwise_optimizers, base.per_parameter_optimizers).assignment().several_or_whole:
+        offloads = tuple(o for o in offloads if o != "disk")  # (disk pages one elementwise optimizer's state)
+    checkpointings = (None, base.activation_checkpointing or ActivationCheckpointing())
     fits, rejected = [], []
     for micro in micro_batches:
-        for checkpointing in (False, True):
+        for checkpointing in checkpointings:
             if progress is not None:
                 progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
             for offload in offloads:
                 for stage in [s for s in stages if s or offload == "none"]:  # offload needs stage 1-3 (zero.offload)
                     def priced(ratio: float = 1.0, stage: int = stage, offload: str = offload) -> Estimate:
-                        return estimate(
-                            workload, stage=stage, world_size=world_size, micro_batch=micro, precision=precision,
-                            offload=offload, checkpointing=checkpointing, no_sync=no_sync, buffer_count=buffer_count,
-                            communication=communication, offload_ratio=ratio,
-                        )
+                        return estimate(workload, base, world_size=world_size, micro_batch=micro, no_sync=no_sync,
+                                        stage=stage, activation_checkpointing=checkpointing,
+                                        offload=_candidate(base.offload, offload, ratio))
 
                     e = priced()
                     if offload == "cpu" and not _why(e, budget, host_memory):
-                        layout = workload.layout(stage, e.group_size, precision)
+                        layout = workload.layout(stage, e.group_size, base.precision, base.bucket_size_mb,
+                                                 units=Units.of(base))
                         least = least_offload(priced, offload_boundaries(layout), e, budget)
                         e = least if least.offload_ratio > 0 else e  # (0: the "none" candidate; full offload kept)
                     why = _why(e, budget, host_memory)
@@ -302,6 +293,14 @@ def plan(
     fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.offload_ratio,
                              e.stage))  # (less offloaded first)
     return Plan(fits, rejected)
+
+
+def _candidate(base: Offload, where: str, ratio: float) -> dict[str, Any]:
+    """The planner's offload: the optimizer's side ``where``, ``ratio`` of it, with ``base``'s buffer count, host
+    threads and disk path (the estimator's stand-in if it has none)."""
+    path = (base.path or DISK_PATH) if where == "disk" else None
+    return {"optimizer": where, "ratio": ratio, "buffer_count": base.buffer_count, "host_threads": base.host_threads,
+            "path": path}
 
 
 def _why(e: Estimate, budget: float, host_budget: float | None) -> str:

@@ -38,6 +38,7 @@ class Gathering:
     codec: CodecMemory = CodecMemory()
     unit_wires: dict[str, list[Wire]] = field(default_factory=dict)
     copies: bool = False  # hpZ's secondary copies exist (backward's gathers from them are exact)
+    reshard_after_forward: bool = True  # ZeroConfig's: False keeps each unit gathered from its forward to its backward
     gathered: set[str] = field(default_factory=set)  # gathered and waited for
     prefetched: set[str] = field(default_factory=set)  # gathering, not yet waited for (the tracker's "communication")
     packets: dict[str, int] = field(default_factory=dict)  # what each unit's gather in flight holds (its codec's)
@@ -50,7 +51,8 @@ class Gathering:
         units = list(self.unit_bytes)
         self.unit_of = {p: unit for unit, params in self.unit_params.items() for p in params}
         self.order: GatherOrder[str] = GatherOrder(units, [len(self.unit_params.get(u, ())) for u in units],
-                                                   "" if "" in self.unit_bytes else None, self, prefetch=self.prefetch)
+                                                   "" if "" in self.unit_bytes else None, self, prefetch=self.prefetch,
+                                                   reshard_after_forward=self.reshard_after_forward)
 
     @property
     def bytes(self) -> int:
@@ -118,9 +120,11 @@ class Gathering:
         self.order.release_all()
 
 
-def gathering(timeline: Timeline, buckets: tuple, prefetch: int, codec: CodecMemory) -> Gathering:
+def gathering(timeline: Timeline, buckets: tuple, prefetch: int, codec: CodecMemory,
+              reshard_after_forward: bool = True) -> Gathering:
     """Stage 3's units for ``buckets`` (``zero.estimator.schedule.BucketBytes``), their schedule told ``timeline``'s
-    step once (unpriced): ready for the priced replay of a step after the first."""
+    step once (unpriced): ready for the priced replay of a step after the first. ``prefetch`` and
+    ``reshard_after_forward`` are ``ZeroConfig``'s."""
     unit_bytes: dict[str, int] = {}
     unit_params: dict[str, set[str]] = {}
     unit_wires: dict[str, list[Wire]] = {}
@@ -129,7 +133,8 @@ def gathering(timeline: Timeline, buckets: tuple, prefetch: int, codec: CodecMem
         unit_bytes[unit] = unit_bytes.get(unit, 0) + b.whole
         unit_params.setdefault(unit, set()).update(b.params)
         unit_wires.setdefault(unit, []).extend([b.wire] if b.wire is not None else [])
-    replay = Gathering(unit_bytes, unit_params, prefetch, codec, unit_wires, copies=any(b.secondary for b in buckets))
+    replay = Gathering(unit_bytes, unit_params, prefetch, codec, unit_wires, copies=any(b.secondary for b in buckets),
+                       reshard_after_forward=reshard_after_forward)
     for point in timeline.points:
         if point.kind != "op":
             replay.event(point, _nothing)

@@ -98,6 +98,7 @@ class Options:
     offload: OffloadChoice = OffloadChoice()  # where the optimizer's side and stage 3's shards live
     max_in_flight: int = 2
     prefetch: int = 1
+    reshard_after_forward: bool = True  # stage 3: units released after their forward, gathered again for backward
     no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
     codec: CodecMemory = CodecMemory()  # what the communication policy's collectives hold besides
 
@@ -225,8 +226,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     params_static += layout.frozen + sum(b.secondary for b in layout.buckets)  # (hpZ's copies: always on the device)
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
     reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged or options.codec.gradients else None
-    gathering = (replay_gathering(timeline, layout.buckets, options.prefetch, options.codec) if layout.stage == 3
-                 else None)
+    gathering = (replay_gathering(timeline, layout.buckets, options.prefetch, options.codec,
+                                  options.reshard_after_forward) if layout.stage == 3 else None)
     best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", off)
 
     def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
@@ -296,6 +297,8 @@ def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffB
     resident = float(sum(b.host for b in layout.buckets))
     if not offload.offloaded:
         return OffBytes(resident, 0.0)
+    if offload.delayed:  # the fp32 gradients handed to the background step (zero.runtime.step.delayed)
+        resident += 4.0 * sum(b.elements for b in layout.buckets if b.offloaded)
     state = step.state(b for b in layout.buckets if b.offloaded)
     if not offload.on_disk:
         return OffBytes(resident + state, 0.0)

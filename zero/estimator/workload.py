@@ -7,6 +7,7 @@ checkpointing) under one ``FakeTensorMode``, and reused for every micro-batch.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Sequence, Union
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from zero.activations import ActivationCheckpointing, checkpoint_activations
+from zero.estimator.configuration import POLICIES, Units
 from zero.estimator.failure import explained
 from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
 from zero.estimator.optimizer_step import OptimizerSteps, master_dtype
@@ -26,18 +28,22 @@ from zero.precision import DTYPES, MixedPrecision, full_precision_parameters, in
 from zero.runtime.buffers.partition import build_partition
 from zero.runtime.buffers.placement import Where
 from zero.runtime.buffers.plan import Role
-from zero.runtime.buffers.units import plan_units
 from zero.runtime.offload.disk import planned_disk_bytes
 from zero.runtime.offload.paging import per_element_state
 from zero.runtime.stages import make_stage
 from zero.runtime.step.inner import same_kind
 
-# the precisions the planner prices, as ZeroOptimizer's policies
-POLICIES = {
-    "fp32": MixedPrecision(),
-    "mixed": MixedPrecision(param_dtype="bf16", reduce_dtype="bf16"),  # the ZeRO paper's (K = 12)
-    "mixed-fp32-reduce": MixedPrecision(param_dtype="bf16"),  # the default policy: gradients reduced in fp32
-}
+# a precision as the estimator takes it: a shorthand name (POLICIES) or ZeroConfig's policy
+PrecisionArg = Union[str, MixedPrecision]
+
+
+def precision_policy(precision: PrecisionArg) -> MixedPrecision:
+    """The ``MixedPrecision`` of a shorthand name (``"mixed"`` ...) or the policy itself."""
+    if isinstance(precision, MixedPrecision):
+        return precision
+    if precision not in POLICIES:
+        raise ValueError(f"precision must be one of {sorted(POLICIES)} or a zero.MixedPrecision, got {precision!r}")
+    return POLICIES[precision]
 
 
 # what a Workload can be checkpointed with: no, every block (True), or a policy (as ZeroConfig takes it)
@@ -103,28 +109,46 @@ class Workload:
         self._assignment: Assignment | None = None
         self.steps = OptimizerSteps(self.mode, self.assignment)  # the optimizers' fake steps
         self._disk_state_keys: dict[str, torch.dtype] | None = None
+        self._declared: dict[tuple[tuple[str, ...], tuple[str, ...]], Workload] = {}
+
+    def declaring(self, elementwise: Sequence[str], per_parameter: Sequence[str]) -> "Workload":
+        """This workload with ``ZeroConfig``'s ``elementwise_optimizers`` and ``per_parameter_optimizers`` declared
+        besides its own: itself when they add nothing, else a copy sharing its traced models and timelines (they do
+        not depend on the optimizers) with its own assignment and optimizer steps."""
+        key = (tuple(dict.fromkeys((*self.elementwise_optimizers, *elementwise))),
+               tuple(dict.fromkeys((*self.per_parameter_optimizers, *per_parameter))))
+        if key == (self.elementwise_optimizers, self.per_parameter_optimizers):
+            return self
+        if key not in self._declared:
+            other = copy.copy(self)
+            other.elementwise_optimizers, other.per_parameter_optimizers = key
+            other._assignment, other._disk_state_keys, other._declared = None, None, {}
+            other.steps = OptimizerSteps(other.mode, other.assignment)
+            self._declared[key] = other
+        return self._declared[key]
 
     # ----- the model, on fake tensors -------------------------------------------------------------------
 
-    def model(self, precision: str = "fp32", checkpointing: Checkpointing = False) -> nn.Module:
-        """The fake model, cast as ``ZeroOptimizer`` casts it under ``precision`` and checkpointed by the policy
-        ``checkpointing`` (``True``: every block of its ``nn.ModuleList``,
-        ``ZeroConfig(activation_checkpointing={})``)."""
-        key = (precision, policy_key(checkpointing))
+    def model(self, precision: PrecisionArg = "fp32", checkpointing: Checkpointing = False,
+              units: Units = Units()) -> nn.Module:
+        """The fake model, cast as ``ZeroOptimizer`` casts it under ``precision`` (with stage 3's ``units``: the
+        modules whose inputs it casts) and checkpointed by the policy ``checkpointing`` (``True``: every block of its
+        ``nn.ModuleList``, ``ZeroConfig(activation_checkpointing={})``)."""
+        policy = precision_policy(precision)
+        key = (policy.model_dump_json(), policy_key(checkpointing), units if policy.enabled else Units())
         if key not in self._models:
             with explained("building the model"):
                 model = self._build_fake()
             with self.mode, explained("building the model"):
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
-                policy = POLICIES[precision]
                 if policy.enabled:  # as ZeroOptimizer casts the managed parameters, and the inputs of its units
                     full = full_precision_parameters(model)  # and of the modules computing in param_dtype
                     for p in model.parameters():
                         if p not in full and p.is_floating_point():
                             p.data = p.data.to(DTYPES[policy.param_dtype])
-                    units = plan_units(model, list(model.parameters()), unit_classes=None, unit_size_bytes=None)
-                    input_casts(model, DTYPES[policy.param_dtype], cast=True, units=[u.name for u in units if u.name])
+                    planned = units.plan(model, list(model.parameters()))
+                    input_casts(model, DTYPES[policy.param_dtype], cast=True, units=[u.name for u in planned if u.name])
                 if key[1]:
                     checkpoint_activations(model, ActivationCheckpointing.model_validate_json(key[1]))
             self._models[key] = model
@@ -146,23 +170,26 @@ class Workload:
             _to_fake(model, self.mode)
         return model
 
-    def timeline(self, micro_batch: int, precision: str = "fp32", checkpointing: Checkpointing = False) -> Timeline:
+    def timeline(self, micro_batch: int, precision: PrecisionArg = "fp32", checkpointing: Checkpointing = False,
+                 units: Units = Units()) -> Timeline:
         """Forward, loss and backward of one micro-batch, live bytes after every operator. Beyond 3, the bytes at
         each point are extrapolated from the traces of micro-batches 2 and 3 (every storage's size is a constant
         or proportional to the micro-batch), unless those two traces differ in their steps. (Not from 1: models
         often take another path for a batch of one.)"""
-        key = (micro_batch, precision, policy_key(checkpointing))
+        policy = precision_policy(precision)
+        key = (micro_batch, policy.model_dump_json(), policy_key(checkpointing), units if policy.enabled else Units())
         if key not in self._timelines and micro_batch > 3:
-            two, three = (self.timeline(m, precision, checkpointing) for m in (2, 3))
+            two, three = (self.timeline(m, policy, checkpointing, units) for m in (2, 3))
             if two.aligned(three):
                 self._timelines[key] = two.extrapolate(three, micro_batch)
         if key not in self._timelines:
-            self._timelines[key] = self._trace(micro_batch, precision, checkpointing)
+            self._timelines[key] = self._trace(micro_batch, policy, checkpointing, units)
         return self._timelines[key]
 
-    def _trace(self, micro_batch: int, precision: str, checkpointing: Checkpointing) -> Timeline:
-        model = self.model(precision, checkpointing)
-        policy = POLICIES[precision]
+    def _trace(self, micro_batch: int, precision: PrecisionArg, checkpointing: Checkpointing,
+               units: Units = Units()) -> Timeline:
+        policy = precision_policy(precision)
+        model = self.model(policy, checkpointing, units)
         with self.mode:
             with explained("making the batch"):
                 batch = tuple(self._fake(t, policy) for t in self.batch(micro_batch))
@@ -186,20 +213,21 @@ class Workload:
 
     # ----- what ZeroOptimizer builds -----------------------------------------------------------------------
 
-    def layout(self, stage: int, world_size: int, precision: str = "fp32", bucket_size_mb: float = 25,
-               offload: OffloadChoice = OffloadChoice(), secondary_shards: int = 1, rank: int | None = None) -> Layout:
+    def layout(self, stage: int, world_size: int, precision: PrecisionArg = "fp32", bucket_size_mb: float = 25,
+               offload: OffloadChoice = OffloadChoice(), secondary_shards: int = 1, rank: int | None = None,
+               units: Units = Units()) -> Layout:
         """One rank's buckets (and stage 3's units) for this configuration, by the optimizer's own planning (with
         ``offload``'s placements: which buffers are off the device, and where). ``world_size`` is the ranks the
         model states are sharded over: with HSDP, the shard group's size (with hpZ every rank's, and
         ``secondary_shards`` the ranks of its groups: each bucket then has a secondary copy of ``1/secondary_shards``
         of it). The rank is ``rank`` (its shard: ``rank % shards``), else, with several or whole-parameter
         optimizers, the one holding the most optimizer state (:func:`zero.estimator.optimizers.ownership`), else
-        rank 0."""
+        rank 0. ``units``: stage 3's unit policy (``ZeroConfig.unit_classes`` or ``unit_size_mb``)."""
         if offload.on_disk and self.assignment().several_or_whole:
             raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
                              f"with {self.assignment().describe()} offload to 'cpu' instead")
-        model = self.model(precision)
-        policy = POLICIES[precision]
+        policy = precision_policy(precision)
+        model = self.model(policy, units=units)
         stage_policy = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
         state = self._disk_state() if offload.on_disk else {}
         stepped = set(self.assignment().group_of)  # (the trainable parameters in the optimizers)
@@ -211,13 +239,13 @@ class Workload:
                 bucket_size_bytes=max(1, int(bucket_size_mb * 2**20)),
                 policy=stage_policy,
                 shard_index=0,
-                plan=partial(plan_units, model, unit_classes=None, unit_size_bytes=None) if stage == 3 else None,
+                plan=partial(units.plan, model) if stage == 3 else None,
                 dtypes_of=lambda p: policy.dtypes(p.dtype, full=p in full),
                 placements=offload.placements() if offload.offloaded else None,
             )
         bucketed = {id(slot.param) for b in partition.buckets for slot in b.slots}
         stage_plan = partition.plan
-        owners = self._ownership(partition.trainable_buckets, stage_policy.num_shards, precision, rank)
+        owners = self._ownership(partition.trainable_buckets, stage_policy.num_shards, policy, rank)
         priced = tuple(_priced(b, owners.shard, file_bytes(stage_plan, b.plan, state)) for b in partition.buckets)
         return Layout(
             stage=stage,
@@ -233,12 +261,12 @@ class Workload:
             owners=owners,
         )
 
-    def _ownership(self, buckets: list, num_shards: int, precision: str, rank: int | None) -> Ownership:
+    def _ownership(self, buckets: list, num_shards: int, policy: MixedPrecision, rank: int | None) -> Ownership:
         """Which whole parameters each shard owns, and the shard priced (see :meth:`layout`)."""
         a = self.assignment()
         if not a.several_or_whole:  # (one flat optimizer: every rank holds the same, rank 0 the most elements)
             return Ownership(rank % num_shards if rank is not None else 0)
-        dtype = master_dtype(POLICIES[precision])
+        dtype = master_dtype(policy)
         flat = self.steps.flat_rates(dtype) if rank is None else {}
         return ownership(buckets, a, self.steps.whole_states(dtype), flat, num_shards, rank)
 
@@ -262,10 +290,10 @@ class Workload:
                 self._assignment = assign(built, model, self.elementwise_optimizers, self.per_parameter_optimizers)
         return self._assignment
 
-    def step(self, layout: Layout, precision: str = "fp32") -> StepTrace:
+    def step(self, layout: Layout, precision: PrecisionArg = "fp32") -> StepTrace:
         """What ``ZeroOptimizer.step()`` holds besides the buffers on the layout's rank, traced on fake tensors
         (:meth:`zero.estimator.optimizer_step.OptimizerSteps.step`)."""
-        return self.steps.step(layout, POLICIES[precision])
+        return self.steps.step(layout, precision_policy(precision))
 
 
 def _priced(bucket: Any, shard: int, disk: int) -> BucketBytes:

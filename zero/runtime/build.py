@@ -256,9 +256,8 @@ def _paging(
 
 
 def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[torch.nn.Parameter]], list]:
-    size = config.unit_size_mb
-    unit_size_bytes = None if size is None else int(size * 2**20)
-    return lambda params: plan_units(model, params, unit_classes=config.unit_classes, unit_size_bytes=unit_size_bytes)
+    return lambda params: plan_units(model, params, unit_classes=config.unit_classes,
+                                     unit_size_bytes=config.unit_size_bytes)
 
 
 def _gatherer(
