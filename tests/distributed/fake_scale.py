@@ -26,7 +26,7 @@ def main(param_dtype: str | None) -> None:
     from zero.memory import live_tensor_bytes
     from zero.models import GPT, GPTConfig, init_gpt_weights, synthetic_batch
 
-    cfg = GPTConfig(vocab_size=50304, seq_len=64, d_model=1024, num_layers=24, num_heads=16)
+    cfg = GPTConfig(vocab_size=50304, seq_len=64, d_model=1024, num_layers=8, num_heads=16)  # 153M
     gc.collect()
     baseline = live_tensor_bytes()
     start = time.perf_counter()

@@ -9,7 +9,10 @@ gradients and both (the codecs' packets and slices; at world size 1 no codec run
 ranks is ``benchmarks/estimate_scale.py``.)
 
 World sizes 1, 2 and 3 run by default (a minute or two each on 2 cores), and 4 for hierarchy (seconds);
-``pytest --quick`` runs none (``full_only``).
+``pytest --quick`` runs none (``full_only``). The second micro-batch (4, extrapolated from the traces of 2 and 3),
+the breakdown after every operator and ZeroConfig's fields away from their defaults (a wide 6-block GPT: units by
+class and by size, ``reshard_after_forward=False``, prefetch, one reduction in flight, checkpointing every second
+block; within 2%) run at 2 ranks only.
 
 Optimizers stepped on whole parameters (issue 42: Muon on the hidden matrices with AdamW on the rest, and
 Adafactor), on every rank of a world of 2 (``estimate_world optimizers N RANK``, a process per rank, about a minute
@@ -68,14 +71,16 @@ def _world(worlds: dict[int, dict], world_size: int) -> dict:
 @pytest.mark.parametrize("world_size", [2, 1, 3], ids=lambda n: f"world{n}")
 def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, world_size):
     runs = _world(worlds, world_size)
-    expected = {key(name, stage, micro, {}) for name in MODELS for stage in STAGES for micro in MICRO_BATCHES
+    micros = MICRO_BATCHES if world_size == CONFIG_WORLD else MICRO_BATCHES[:1]  # (both at 2 ranks)
+    expected = {key(name, stage, micro, {}) for name in MODELS for stage in STAGES for micro in micros
                 if (name not in PARTIAL or micro == MICRO_BATCHES[0]) and name != "gpt6"}
     expected |= {key("gpt", stage, MICRO_BATCHES[0], variant) for stage in STAGES for variant in VARIANTS}
     quantized = [{"communication": policy} for policy in COMMUNICATION]
     expected |= {key("gpt-wide", stage, MICRO_BATCHES[0], v) for v in quantized for stage in stages(v)}
     if world_size == CONFIG_WORLD:
         expected |= {key("gpt6", stage, MICRO_BATCHES[0], v) for v in ({}, *CONFIG_FIELDS) for stage in stages(v)}
-    assert set(runs) == expected | {f"every-op/gpt/{stage}" for stage in STAGES}
+    every_op = {f"every-op/gpt/{stage}" for stage in STAGES} if world_size == CONFIG_WORLD else set()
+    assert set(runs) == expected | every_op
     for case, run in runs.items():
         if case.startswith("every-op/"):  # the breakdown, category by category, against the peak sample's
             assert run["estimated"] == pytest.approx(run["measured"], rel=0.05), case

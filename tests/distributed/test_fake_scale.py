@@ -1,4 +1,4 @@
-"""A 354M-parameter GPT at stage 3 as rank 0 of 64 (torch's fake process group), on CPU in seconds."""
+"""A 153M-parameter GPT at stage 3 as rank 0 of 64 (torch's fake process group), on CPU in seconds."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def scale() -> dict:
 
 def test_model_state_of_one_rank_of_64_is_16_psi_over_n(scale):
     psi, n = scale["numel"], scale["world_size"]
-    assert psi >= 300_000_000
+    assert psi >= 150_000_000  # (the 1.1B GPT: benchmarks/estimate_scale.py)
     # Everything alive after a step is model state (plus the model's one small buffer) ...
     assert scale["measured"] == scale["held"] + scale["buffers"]
     # ... and that is the ZeRO-3 formula, 16Ψ/N, within 1% (padding and placeholders included).

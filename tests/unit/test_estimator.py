@@ -7,7 +7,6 @@ import dataclasses
 import json
 import re
 import resource
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -108,21 +107,19 @@ def test_the_step_trace_prices_the_wrapped_optimizer():
 
 
 @pytest.mark.full_only  # --quick leaves it out (see tests/conftest.py)
-def test_a_seven_billion_parameter_model_is_planned_in_seconds_without_allocating_it():
-    from transformers import LlamaConfig
+def test_a_billion_parameter_model_is_planned_without_allocating_it():
+    """Llama-7B's layer (width 4096) and vocabulary, four layers deep (the time a 7B plan takes is a benchmark's:
+    docs/estimator.md)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=32,
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=4,
                          num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    start = time.perf_counter()
-    from transformers import LlamaForCausalLM
-
     workload = Workload(lambda: LlamaForCausalLM(config), sources.hf_loss,
                         lambda micro: (torch.zeros(micro, 512, dtype=torch.long),))
-    result = plan(workload, gpu_memory=parse_size("80GB"), world_size=64, micro_batches=[1, 8], precision="mixed")
-    assert time.perf_counter() - start < 120
+    result = plan(workload, gpu_memory=parse_size("16GB"), world_size=64, micro_batches=[1, 8], precision="mixed")
     numel = sum(p.numel() for p in workload.model().parameters())
-    assert numel > 6_500_000_000
+    assert numel > 1_000_000_000
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     assert grown < 0.05 * 2 * numel  # the bf16 weights alone would be 13 GB
     assert result.fits and result.rejected
@@ -130,7 +127,7 @@ def test_a_seven_billion_parameter_model_is_planned_in_seconds_without_allocatin
     # at its peak (the loss's backward) stage 3 holds its bf16 shards, the root unit (embeddings, head) and the last
     # layer, which forward left gathered for backward
     layout = workload.layout(3, 64, "mixed")
-    gathered = sum(b.whole for b in layout.buckets if b.unit in ("", "model.layers.31"))
+    gathered = sum(b.whole for b in layout.buckets if b.unit in ("", "model.layers.3"))
     assert stage3.event == "_log_softmax_backward_data operator"
     assert stage3.parameters == sum(b.shard for b in layout.buckets) + gathered
 
