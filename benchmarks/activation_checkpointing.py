@@ -7,7 +7,7 @@ unchecked activations) the GPT is trained with ``ZeroOptimizer`` (stage 2, world
 
 * peak activations: the largest ``activations`` figure over two profiled steps (every operator sampled),
   as a ratio to no checkpointing, next to the estimator's prediction for the plan
-  (:func:`zero.activations.saved_activation_bytes`), and the largest live total;
+  (:func:`zero.estimator.activation_budget.saved_activation_bytes`), and the largest live total;
 * step time: median of ``--steps`` steps, the policies interleaved step by step, as a ratio to none
   (target: every block <= 1.4x; selective in between).
 
@@ -24,8 +24,8 @@ import torch
 
 import zero
 from zero import ZeroOptimizer
-from zero.activations import saved_activation_bytes
 from zero.cli.gpt_options import add_gpt_arguments, gpt_config
+from zero.estimator.activation_budget import saved_activation_bytes
 from zero.estimator.estimator import trace
 from zero.models import GPT, synthetic_batch
 

@@ -14,7 +14,7 @@ element: two reads, one write). Contenders, each on its own copy of the same dat
   6 more bytes per element (34 in all), shown against both limits
 * ``zero-host-step-1-thread`` -- the same on one thread: what the host step ran at under torchrun (which sets
   ``OMP_NUM_THREADS=1``) before ``offload.host_threads`` (``"auto"``: the cores of the process's CPU affinity,
-  ``zero.offload.host_step_threads``)
+  ``zero.runtime.step.host_threads.host_step_threads``)
 * ``ds-cpu-adam``  -- DeepSpeed's ``DeepSpeedCPUAdam``, if installed (its op builds on first use)
 
 The threads default to what ``offload.host_threads="auto"`` gives one rank here.
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from zero.offload import host_step_threads
+from zero.runtime.step.host_threads import host_step_threads
 
 
 def bandwidth(numel: int, rounds: int) -> float:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, m
 
 from zero.activations import ActivationCheckpointing
 from zero.comm.policy import Communication
-from zero.integrations.deepspeed_config import DeepSpeedConfig, read_deepspeed
+from zero.deepspeed.reader import DeepSpeedConfig, read_deepspeed
 from zero.offload import Offload
 from zero.precision import MixedPrecision
 
@@ -235,10 +235,10 @@ class ZeroConfig(BaseModel):
     @classmethod
     def from_deepspeed(cls, source: Any, ignore: Any = (), **overrides: Any) -> DeepSpeedConfig[ZeroConfig]:
         """Translate a DeepSpeed config (a dict, or the path of its JSON file) key by key, refusing by name each key
-        it cannot honour. Returns a :class:`zero.integrations.deepspeed_config.DeepSpeedConfig` that unpacks as
+        it cannot honour. Returns a :class:`zero.deepspeed.reader.DeepSpeedConfig` that unpacks as
         ``config, training``: the ``ZeroConfig``, and ``{"gradient_clipping", "gradient_accumulation_steps"}`` for
         the training loop to apply (``opt.clip_grad_norm_``, ``opt.no_sync()``). ``overrides``: fields set on top
-        (``unit_classes=[...]``). See ``zero.integrations.deepspeed_config`` (which reads the keys into field values;
+        (``unit_classes=[...]``). See ``zero.deepspeed.reader`` (which reads the keys into field values;
         they are validated here) and docs/migration.md for what maps, what is ignored and why, and what is refused."""
         read = read_deepspeed(source, ignore)
         fields = {**read.config, **overrides}

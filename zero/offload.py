@@ -1,42 +1,116 @@
-"""Offload: the policy (``ZeroConfig.offload``) and the memory and disk checks made before anything is allocated.
-Where each buffer then lives, and how it is allocated and copied, is ``zero.runtime.buffers.placement``'s (and, on
-disk, ``zero.runtime.offload.disk``'s).
+"""Offload: the policy (``ZeroConfig.offload``) and its table of targets, the places the optimizer's side and stage 3's
+parameter shards can live.
 
-With ``optimizer="cpu"`` (stages 1-3) the buffers of the optimizer's side of a bucket live in host
-memory: the fp32 master shard, the optimizer's gradients (``master_grad``) and the wrapped
-optimizer's state (created on the master's device by ``torch.optim``). Where the reduction is staged
-(stages 2-3, and mixed stage 1) each reduced chunk goes down to a host gradient shard as soon as its
-collective completes; stage 1, which reduces its gradient buffer in place, copies its chunk down at
-the step. The step runs on the host, and each bucket's updated master is cast back into the
-device's low-precision parameters. With ``params="cpu"`` (stage 3) each rank's
-parameter shard lives in host memory too and is copied up for its unit's all-gather; it implies
-optimizer offload (the master shard is then a host buffer whatever the dtypes).
+With ``optimizer="cpu"`` (stages 1-3) the optimizer's side of each bucket (the fp32 master shard, the optimizer's
+gradients and the wrapped optimizer's state) lives in host memory and steps there; with ``params="cpu"`` (stage 3)
+each rank's parameter shards live there too, copied up for each unit's all-gather (it takes the optimizer's side
+along). ``ratio`` below 1 offloads only that share of the buckets, whole (ZeRO-Offload++'s Twin-Flow); ``"disk"``
+(ZeRO-Infinity) keeps the same buffers, and the wrapped optimizer's per-element state, in a file per rank under
+``path``, of which ``buffer_count`` buckets are mapped in host memory at a time. The arithmetic is unchanged: the
+same optimizer steps the same fp32 values, so offload changes no number (tested bit for bit at 1, 2 and 3 ranks).
 
-Host buffers are pinned when the model is on a GPU, so that copies to and from it can run
-asynchronously. The arithmetic is unchanged: the same optimizer steps the same fp32 values, so
-offload changes no number on CPU (tested bit for bit at 1, 2 and 3 ranks).
+**Targets.** What ``optimizer`` and ``params`` may name is :data:`TARGETS`, one :class:`OffloadTarget` per place
+(where its bytes live, whether it pages through host memory, what it needs, the planner's order, DeepSpeed's name for
+it), or a target of your own by import path (``"module:NAME"``, an ``OffloadTarget``). The policy's rules, the
+runtime's placements and paging, the estimator's pricing and planner, and the DeepSpeed reader all read the table;
+a new target is an entry and the ``Placement`` subclass it names (docs/offload.md, "Offload targets").
 
-With ``ratio`` below 1 (ZeRO-Offload++'s Twin-Flow, DeepSpeed's ``offload_optimizer.ratio``) only that fraction of
-the buckets is offloaded, whole: the first ones backward reduces (their gradients go down while backward goes on),
-and the rest stay on the device, where they step with the device's kernel while the host steps its part
-(``zero.runtime.buffers.placement.Placements.for_buckets``). ``ratio=0`` is no offload, bit for bit.
-
-With ``"disk"`` (ZeRO-Infinity) the same buffers, and the wrapped optimizer's per-element state, live in one
-preallocated, memory-mapped file per rank under ``path``; at most ``buffer_count`` buckets of them are mapped in
-host memory at a time, read ahead of their step and written back after it (``zero.runtime.offload.disk``).
+This module holds the policy. Where it runs: :mod:`zero.runtime.offload` (each target's placement, paging through
+host memory, the host-memory check before allocating: ``zero.runtime.offload.targets`` and ``host``), the placements
+themselves in :mod:`zero.runtime.buffers.placement` (device and host memory) and :mod:`zero.runtime.offload.disk`,
+the host step's threads and kernel in :mod:`zero.runtime.step.host_threads`. It imports nothing of ``zero``: a
+target names its placement class by import path, which the runtime imports.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from typing import Annotated, Literal
+import importlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-# bytes per element of this rank's chunk held on the host: fp32 master, fp32 gradient, two fp32 moments
-HOST_BYTES_PER_ELEMENT = 4 + 4 + 8
+
+class Where(Enum):
+    """Where a planned buffer lives (what the estimator prices apart: device memory, host memory, files)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    PINNED_HOST = "pinned host"
+    DISK = "disk"
+
+    @property
+    def on_host(self) -> bool:
+        return self is not Where.DEVICE
+
+    @property
+    def suffix(self) -> str:
+        """How the profiler's labels name buffers kept here: ``""``, ``" (host)"`` or ``" (disk)"``."""
+        return {Where.DEVICE: "", Where.DISK: " (disk)"}.get(self, " (host)")
+
+
+@dataclass(frozen=True)
+class OffloadTarget:
+    """One place ``offload.optimizer`` and ``offload.params`` can name (an entry of :data:`TARGETS`, or one of your
+    own, named by import path). The runtime builds ``placement`` (``Class.make(offload, device, rank, world_size)``)
+    for each side that names the target; the estimator prices the buffers by ``where`` (device memory, host memory,
+    or, for a target that pages, a file of which a window of buckets is in host memory)."""
+
+    name: str  # how messages and ``zero estimate`` call it (a built-in's is what offload.optimizer says)
+    where: Where  # where its bytes live (a target that pages keeps them in a file: Where.DISK)
+    placement: str  # "module:Class": the zero.runtime.buffers.placement.Placement subclass that holds them
+    tier: int  # the planner's order, fastest first: 0 the device, 1 host memory, 2 a disk
+    pages: bool = False  # mapped through host memory ``offload.buffer_count`` buckets at a time (one optimizer's state)
+    needs_path: bool = False  # offload.path: the directory that holds its files
+    deepspeed: str | None = None  # DeepSpeed's offload_optimizer/offload_param ``device`` for it
+
+    @property
+    def on_device(self) -> bool:
+        return self.where is Where.DEVICE
+
+
+TARGETS = (  # fastest first: the planner's order
+    OffloadTarget("none", Where.DEVICE, "zero.runtime.buffers.placement:DevicePlacement", tier=0, deepspeed="none"),
+    OffloadTarget("cpu", Where.HOST, "zero.runtime.buffers.placement:HostPlacement", tier=1, deepspeed="cpu"),
+    OffloadTarget("disk", Where.DISK, "zero.runtime.offload.disk:DiskPlacement", tier=2, pages=True, needs_path=True,
+                  deepspeed="nvme"),
+)
+
+
+def imported(path: str, what: str) -> Any:
+    """The object ``path`` (``"module:NAME"``) names, imported; a ``ValueError`` naming ``what`` and the cause."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"{what}={path!r} is not an import path: give 'module:NAME'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # (the module's own error, whatever it is, is the cause)
+        raise ValueError(f"{what}={path!r}: module {module_name!r} does not import ({type(err).__name__}: {err}); "
+                         "check its name, and that it is installed or on PYTHONPATH") from err
+    found: Any = module
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if found is None:
+        raise ValueError(f"{what}={path!r}: module {module_name!r} has no {name!r}; check the name")
+    return found
+
+
+def target_of(name: Any, setting: str = "offload.optimizer") -> OffloadTarget:
+    """The :class:`OffloadTarget` a value of ``offload.optimizer`` or ``offload.params`` (``setting``) names: a
+    built-in's name, or the import path of a target of your own; a ``ValueError`` naming the choices otherwise."""
+    for target in TARGETS:
+        if target.name == name:
+            return target
+    choices = ", ".join(repr(t.name) for t in TARGETS[:-1]) + f" or {TARGETS[-1].name!r}"
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{setting}={name!r} should be {choices}, or an offload target of your own by import path "
+                         "('module:NAME', a zero.offload.OffloadTarget)")
+    found = imported(name, setting)
+    if not isinstance(found, OffloadTarget):
+        raise ValueError(f"{setting}={name!r} names {found!r}, not a zero.offload.OffloadTarget (an entry like those "
+                         "of zero.offload.TARGETS: docs/offload.md, 'Offload targets')")
+    return found
 
 
 class Offload(BaseModel):
@@ -46,15 +120,17 @@ class Offload(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    optimizer: Literal["none", "cpu", "disk"] = Field(
+    optimizer: str = Field(
         "none",
         description="'cpu': master weights, optimizer gradients and state in host memory; step on the host. "
-        "'disk': the same in a file per rank under `path`, stepped bucket by bucket on the host.",
+        "'disk': the same in a file per rank under `path`, stepped bucket by bucket on the host. Or a target of "
+        "your own by import path ('module:NAME', a zero.offload.OffloadTarget).",
     )
-    params: Literal["none", "cpu", "disk"] = Field(
+    params: str = Field(
         "none",
         description="'cpu' (stage 3): parameter shards in host memory, copied up for each gather. 'disk': in the "
-        "file under `path` (the optimizer side goes to disk too), read ahead of each gather.",
+        "file under `path` (the optimizer side goes to disk too), read ahead of each gather. Or a target of your "
+        "own by import path.",
     )
     path: str | None = Field(
         None, description="With 'disk': the directory (on local NVMe) that holds each rank's offload file."
@@ -94,6 +170,12 @@ class Offload(BaseModel):
         "(zero.runtime.step.delayed).",
     )
 
+    @field_validator("optimizer", "params", mode="before")
+    @classmethod
+    def _a_target(cls, name: Any, info: Any) -> Any:
+        target_of(name, f"offload.{info.field_name}")  # (a name of TARGETS, or an import path that names a target)
+        return name
+
     @model_validator(mode="after")
     def _threads_positive(self) -> "Offload":
         if self.host_threads != "auto" and self.host_threads < 1:
@@ -107,10 +189,11 @@ class Offload(BaseModel):
                 "offload.delayed_step=True hides the host step behind the next forward, so it needs the optimizer "
                 "offloaded: set offload.optimizer='cpu' too"
             )
-        if self.delayed_step and self.on_disk:
+        if self.delayed_step and self.pages:
             raise ValueError(
                 "offload.delayed_step=True steps every bucket at once in a background thread, which would map the "
-                "whole optimizer side from disk into host memory; use it with optimizer='cpu', not 'disk'"
+                f"whole optimizer side from {self.optimizer_target.name} into host memory; use it with "
+                f"optimizer='cpu', not {self.optimizer_target.name!r}"
             )
         return self
 
@@ -120,7 +203,7 @@ class Offload(BaseModel):
             raise ValueError("offload.gpu_memory is the budget of ratio='auto'; set offload.ratio='auto' or remove it")
         if self.ratio == 1.0:
             return self
-        if not self.optimizer_on_host or self.on_disk:
+        if not self.optimizer_on_host or self.pages:
             raise ValueError(
                 f"offload.ratio={self.ratio} splits the optimizer side between host memory and the device, so it "
                 "needs offload.optimizer='cpu' (not 'disk', not unset), e.g. offload={'optimizer': 'cpu', 'ratio': "
@@ -135,96 +218,51 @@ class Offload(BaseModel):
 
     @model_validator(mode="after")
     def _disk_needs_path(self) -> "Offload":
-        if self.on_disk and self.path is None:
+        named = next((t for t in (self.optimizer_target, self.params_target) if t.needs_path), None)
+        if named is not None and self.path is None:
             raise ValueError(
-                "offload to 'disk' needs offload.path: a directory on a local disk (NVMe) where each rank writes "
-                "its offload file, e.g. offload={'optimizer': 'disk', 'path': '/local_nvme/zero'}"
+                f"offload to {named.name!r} needs offload.path: a directory on a local disk (NVMe) where each rank "
+                f"writes its offload file, e.g. offload={{'optimizer': {named.name!r}, 'path': '/local_nvme/zero'}}"
             )
-        if self.params == "disk" and self.optimizer == "cpu":
+        optimizer = target_of(self.optimizer)
+        if self.params_target.pages and not optimizer.on_device and optimizer != self.params_target:
             raise ValueError(
-                "offload.params='disk' keeps the optimizer side on disk too (the master shard beside the parameter "
-                "shard); set offload.optimizer='disk' or leave it unset"
+                f"offload.params={self.params!r} keeps the optimizer side on {self.params_target.name} too (the master "
+                f"shard beside the parameter shard); set offload.optimizer={self.params!r} or leave it unset"
             )
-        if self.path is not None and not self.on_disk:
+        if self.path is not None and named is None:
             raise ValueError("offload.path is used only with 'disk'; set optimizer='disk' (or params='disk')")
         return self
 
     @property
+    def optimizer_target(self) -> OffloadTarget:
+        """Where the optimizer's side lives: ``optimizer``'s target, or with ``optimizer='none'`` the parameter
+        shards' (``params`` takes the optimizer's side along)."""
+        target = target_of(self.optimizer)
+        return target_of(self.params, "offload.params") if target.on_device else target
+
+    @property
+    def params_target(self) -> OffloadTarget:
+        """Where stage 3's parameter shards live."""
+        return target_of(self.params, "offload.params")
+
+    @property
+    def pages(self) -> bool:
+        """A side lives in a target that pages through host memory (a window of ``buffer_count`` buckets)."""
+        return self.optimizer_target.pages or self.params_target.pages
+
+    @property
     def on_disk(self) -> bool:
         """The optimizer side (and with ``params='disk'`` stage 3's parameter shards) lives in files on disk."""
-        return self.optimizer == "disk" or self.params == "disk"
+        return Where.DISK in (self.optimizer_target.where, self.params_target.where)
 
     @property
     def optimizer_on_host(self) -> bool:
         """The optimizer side lives off the device (host memory, or disk mapped through host memory)."""
-        return self.optimizer != "none" or self.params != "none"
+        return not self.optimizer_target.on_device
 
     @property
     def params_on_host(self) -> bool:
         """Stage 3's parameter shards live off the device (host memory or disk)."""
-        return self.params != "none"
+        return not self.params_target.on_device
 
-
-def available_host_bytes() -> int | None:
-    """Host memory available to this process now (``MemAvailable`` on Linux), or ``None`` if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def host_step_threads(setting: int | Literal["auto"], local_ranks: int) -> int:
-    """The threads of the host step: ``setting`` if it is a number; with ``"auto"`` the cores in this process's CPU
-    affinity, divided among ``local_ranks`` (the ranks on this machine) when the affinity is the whole machine (the
-    ranks were not bound to cores of their own, so they share them)."""
-    if setting != "auto":
-        return setting
-    try:
-        owned = len(os.sched_getaffinity(0))
-    except AttributeError:  # (no affinity on this platform)
-        owned = os.cpu_count() or 1
-    if owned >= (os.cpu_count() or owned):
-        owned //= max(local_ranks, 1)
-    return max(owned, 1)
-
-
-def check_host_memory(offload: Offload, shard_numel: int, param_bytes: int) -> None:
-    """Raise before allocating if this rank's host buffers would not fit in the memory available now
-    (``shard_numel``: elements of this rank's chunks; ``param_bytes``: bytes per element of a parameter
-    shard kept on the host)."""
-    if not offload.optimizer_on_host or offload.on_disk:  # (disk: zero.runtime.offload.disk checks free space)
-        return
-    per_element, extras = HOST_BYTES_PER_ELEMENT, ""
-    if offload.params_on_host:
-        per_element, extras = per_element + param_bytes, extras + ", plus the parameter shard"
-    if offload.delayed_step:  # the copy of the gradients handed to the background step
-        per_element, extras = per_element + 4, extras + ", plus the gradients of the delayed step"
-    needed = shard_numel * per_element
-    available = available_host_bytes()
-    if available is not None and needed > available:
-        raise ValueError(
-            f"CPU offload needs about {needed / 2**30:.2f} GiB of host memory on this rank (fp32 master, "
-            f"gradients and Adam-sized optimizer state for {shard_numel:,} elements{extras}), but only "
-            f"{available / 2**30:.2f} GiB is available. Use more ranks (the shard shrinks as 1/N), free host "
-            "memory, or offload less (offload.params='none', or offload.optimizer='none')."
-        )
-
-
-def warn_unfused_host_step(optimizer: torch.optim.Optimizer) -> None:
-    """The host step is memory-bound: torch's fused CPU Adam/AdamW kernel runs at the bandwidth limit,
-    the foreach and single-tensor ones several times slower (``benchmarks/optimizer_step.py``)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not optimizer.defaults.get("fused"):
-        kernel = "single-tensor" if optimizer.defaults.get("foreach") is False else "foreach"
-        warnings.warn(
-            f"offloaded {type(optimizer).__name__} steps on the host with its {kernel} kernel; build it with "
-            f"fused=True for a host step at memory bandwidth (about 8x faster on CPU, "
-            "see benchmarks/optimizer_step.py; its rounding differs from the foreach kernel's by about 1 ulp).",
-            stacklevel=4,
-        )

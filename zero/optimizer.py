@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from zero.auto_ratio import StepExample, resolve_config
-from zero.checkpoint import shard_state
+from zero.checkpoint.shard import state as shard_state
 from zero.config import ZeroConfig
 from zero.memory import MemoryItem, ModelStateBytes
-from zero.runtime import gathered, owned_memory
+from zero.runtime import owned_memory, whole_parameters
 from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.build import build_runtime, watch_for_drop
 from zero.runtime.materialize import InitFn
@@ -124,9 +124,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             reducer.sync_enabled = previous
 
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the global gradient norm, as ``torch.nn.utils.clip_grad_norm_`` on the whole model: the norm over
         every rank's shard (one small all-reduce), gradients scaled by ``min(1, max_norm / (norm + 1e-6))``;
         returns the norm (the same on every rank), 0 with no gradient since :meth:`zero_grad`."""
@@ -161,13 +160,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.runtime.close()
 
     @contextmanager
-    def gathered_parameters(self, targets: gathered.Targets = None, modifier_rank: int | None = None) -> Iterator[None]:
+    def gathered_parameters(self, targets: whole_parameters.Targets = None,
+                            modifier_rank: int | None = None) -> Iterator[None]:
         """Whole parameters of ``targets`` (modules, parameters, ``None``: the whole model) on every rank inside
         the block, for inspection, custom initialization or edits (``model.state_dict()`` taken inside keeps its
         values). On exit edits are written back to each rank's shard; with ``modifier_rank=r`` rank ``r``'s values
         are first broadcast (edit on one rank only), with ``None`` every rank must make the same edits. At stages
         0-2 the parameters are always whole and only ``modifier_rank`` has an effect."""
-        with gathered.gathered_parameters(self.runtime, targets, modifier_rank):
+        with whole_parameters.gathered_parameters(self.runtime, targets, modifier_rank):
             yield
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ With ``param_dtype`` set, forward and backward run on low-precision parameters (
 autograd's gradients are reduced in ``reduce_dtype`` and kept as this rank's gradient shard,
 and the wrapped ``torch.optim`` optimizer steps an fp32 *master* copy of this rank's shard
 only, which is then cast back into the low-precision parameters. Buffers (BatchNorm
-statistics) keep their dtype.
+statistics) keep their dtype. Where it runs (the parameters' casts, the forward inputs' casts):
+:mod:`zero.runtime.precision`.
 
 Note on the buffers of a bucket (``zero.runtime.buffers.bucket``), with ``P`` the padded bucket and ``C = P/N``
 this rank's chunk; "alias" means the role is a view of another role's memory when dtype and
@@ -36,8 +37,7 @@ With ``reduce_dtype = param_dtype`` these are the ZeRO paper's mixed-precision b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -157,116 +157,10 @@ class MixedPrecision(BaseModel):
         return self.loss_scale or LossScale()
 
     def dtypes(self, param_dtype: torch.dtype, full: bool = False) -> BufferDtypes:
-        """The buffers' dtypes for a bucket of parameters built in ``param_dtype`` (``full``: parameters of
-        a module with floating-point buffers, see :func:`full_precision_parameters`)."""
+        """The buffers' dtypes for a bucket of parameters built in ``param_dtype`` (``full``: parameters of a
+        module with floating-point buffers, :func:`zero.runtime.precision.parameters.full_precision_parameters`)."""
         if self.param_dtype is None or full:
             return BufferDtypes(param_dtype, param_dtype, param_dtype)
         compute = DTYPES[self.param_dtype]
         master = torch.promote_types(param_dtype, torch.float32)
         return BufferDtypes(compute, master, DTYPES[self.reduce_dtype or "fp32"])
-
-
-def full_precision_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
-    """Parameters of modules that hold floating-point buffers (BatchNorm's running statistics): they stay in
-    their own dtype, as autocast keeps batch norm in fp32. Kernels take low-precision inputs with fp32
-    weights and statistics, not bf16 weights with fp32 statistics, and the statistics keep their dtype."""
-    kept = set()
-    for module in model.modules():
-        if any(b is not None and b.is_floating_point() for b in module.buffers(recurse=False)):
-            kept.update(module.parameters(recurse=False))
-    return kept
-
-
-def cast_unmanaged_parameters(model: torch.nn.Module, policy: MixedPrecision, keep: set[torch.nn.Parameter]) -> None:
-    """Cast the model's floating-point parameters not in ``keep`` (those the buckets manage, and those of
-    :func:`full_precision_parameters`) to ``param_dtype``: frozen parameters kept whole at stages 0-2
-    compute in it too (a one-time cast: nothing updates them)."""
-    if policy.param_dtype is None:
-        return
-    dtype = DTYPES[policy.param_dtype]
-    for p in model.parameters():
-        if p not in keep and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-
-
-def check_device_supports(policy: MixedPrecision, device: torch.device) -> None:
-    """Raise if ``device`` cannot compute in ``policy.param_dtype`` (a tiny matmul is tried)."""
-    if policy.param_dtype is None:
-        return
-    dtype = DTYPES[policy.param_dtype]
-    reason = None
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        reason = "this GPU has no bf16 support (compute capability 8.0 or newer is needed)"
-    else:
-        try:
-            a = torch.ones(2, 2, dtype=dtype, device=device)
-            (a @ a).sum().item()
-        except (RuntimeError, TypeError) as err:
-            reason = f"a {policy.param_dtype} matmul fails there ({err})"
-    if reason is not None:
-        raise ValueError(
-            f"precision.param_dtype={policy.param_dtype!r} cannot run on {device}: {reason}. Choose another "
-            "param_dtype (bf16 runs on CPUs and on GPUs of compute capability 8.0+), or leave it unset."
-        )
-
-
-def cast_inputs(dtype: torch.dtype, value: Any) -> Any:
-    """``value`` with every floating-point tensor in it (nested in lists, tuples, dicts) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(cast_inputs(dtype, v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(cast_inputs(dtype, v) for v in value)
-    if isinstance(value, dict):
-        return {k: cast_inputs(dtype, v) for k, v in value.items()}
-    return value
-
-
-class ModuleInputCast:
-    """A forward pre-hook on a module that computes in ``dtype``: its floating-point inputs of another dtype are cast
-    to ``dtype`` (``cast``, the ``cast_forward_inputs`` setting), or refused with an error naming the module, the
-    tensor's dtype and the setting. Inputs already in ``dtype`` (the common case) are only looked at; outputs are
-    not cast back."""
-
-    def __init__(self, dtype: torch.dtype, name: str, cast: bool):
-        self.dtype, self.name, self.cast = dtype, name, cast
-
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        other = _other_dtype(self.dtype, args) or (_other_dtype(self.dtype, kwargs) if kwargs else None)
-        if other is None:
-            return None
-        if not self.cast:
-            raise ValueError(
-                f"module {self.name or '<root>'!r} ({type(module).__name__}) computes in {self.dtype} "
-                f"(precision.param_dtype) but received a {other} tensor, and precision.cast_forward_inputs=False "
-                "leaves inputs as they are. Cast the tensor to the model's dtype where it is made, or set "
-                "cast_forward_inputs=True (the default: floating inputs are cast at the entry of each such module)."
-            )
-        return cast_inputs(self.dtype, args), cast_inputs(self.dtype, kwargs)
-
-
-def _other_dtype(dtype: torch.dtype, value: Any) -> torch.dtype | None:
-    """The dtype of the first floating-point tensor in ``value`` (nested as :func:`cast_inputs` walks) that is not
-    ``dtype``, if any."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype if value.is_floating_point() and value.dtype != dtype else None
-    if isinstance(value, (list, tuple)):
-        return next((d for d in map(partial(_other_dtype, dtype), value) if d is not None), None)
-    if isinstance(value, dict):
-        return next((d for d in map(partial(_other_dtype, dtype), value.values()) if d is not None), None)
-    return None
-
-
-def input_casts(model: torch.nn.Module, dtype: torch.dtype, cast: bool, units: Iterable[str] = ()) -> list[Any]:
-    """Register :class:`ModuleInputCast` on every module that owns a parameter in ``dtype`` (after the policy cast
-    the model) and on the modules named in ``units`` (stage 3's units, as FSDP2 casts the inputs of each module it
-    wraps); the hooks' handles. A floating tensor made inside forward in another dtype (``torch.ones(...)``,
-    ``x.float()``, a sum with an fp32 mask) is cast where it enters such a module: modules that keep full precision
-    (:func:`full_precision_parameters`) and integer inputs are left alone."""
-    wanted = set(units) if cast else set()
-    for name, module in model.named_modules():
-        if any(p.is_floating_point() and p.dtype == dtype for p in module.parameters(recurse=False)):
-            wanted.add(name)
-    return [module.register_forward_pre_hook(ModuleInputCast(dtype, name, cast), with_kwargs=True)
-            for name, module in model.named_modules() if name in wanted]

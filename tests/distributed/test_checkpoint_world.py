@@ -36,7 +36,7 @@ from tests.distributed.harness import run_world, run_world_outcomes
 from tests.distributed.worlds import build_model
 from tests.readouts import flat_params
 from zero import load_checkpoint
-from zero.checkpoint.files import Checkpoint
+from zero.checkpoint.portable.reader import Checkpoint
 
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-4

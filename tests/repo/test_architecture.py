@@ -172,7 +172,8 @@ def _targets(source: str, module: str, modules: set[str]) -> set[str]:
 def test_the_import_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "zero.optimizer" in graph["zero"]  # from zero.optimizer import ZeroOptimizer (in zero/__init__.py)
-    assert "zero.checkpoint.directory" in graph["zero.checkpoint.save"]  # from zero.checkpoint import directory
+    assert "zero.checkpoint.portable.tensorfile" in graph["zero.checkpoint.consolidate"]  # from P import module
+    assert "zero.checkpoint.portable.directory" in graph["zero.checkpoint.portable.save"]  # import P.module as name
     assert "zero.profiler.sample" in graph["zero.profiler.report"]
     assert "zero.cli.main" in graph["zero.__main__"]
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
@@ -193,7 +194,7 @@ def test_the_import_graph_sees_packages_run_and_read():
     # straight to the submodule, inside P: P's __init__ is already running and nothing is read from it
     assert _targets("from z.p.b import f", "z.p.a", modules) == {"z.p.b"}
     assert _targets("import z.p.b", "z.p.a", modules) == {"z.p.b"}
-    # from outside P: importing P.b runs P's __init__ first (zero.config reading zero.integrations.deepspeed_config)
+    # from outside P: importing P.b runs P's __init__ first (zero.config reading zero.deepspeed.reader)
     assert _targets("from z.p.b import f", "z.q.c", modules) == {"z.p", "z.p.b"}
     assert _targets("import z.p.b", "z.q.c", modules) == {"z.p", "z.p.b"}
     assert _targets("def f():\n    from ..p import b", "z.q.c", modules) == {"z.p", "z.p.b"}
@@ -226,13 +227,81 @@ def test_the_communication_package_imports_nothing_else_of_zero():
     assert not outside, f"{COMM} imports other zero modules:\n" + "\n".join(outside)
 
 
-RUNTIME_LAYERS = ("buffers", "stages", "offload", "step", "gathering", "reduction")  # each imports only earlier ones
+LAYERS = (  # zero's top-level modules and packages, lowest first: each imports only from the layers before it
+    ("comm", "kernels", "memory", "models", "outputs", "sizes", "version", "weak"),  # leaves: torch, pydantic
+    ("activations", "offload", "precision"),  # the policies
+    ("deepspeed",),  # DeepSpeed's JSON read into the policies' field values
+    ("config",),  # ZeroConfig: every policy, validated once (and ZeroConfig.from_deepspeed)
+    ("runtime",),  # what trains, built from the config
+    ("checkpoint", "estimator", "profiler"),  # saving and loading the runtime's state; predicting; measuring
+    ("auto_ratio",),  # offload.ratio="auto", chosen through the estimator
+    ("optimizer",),  # the facade: ZeroOptimizer
+    ("cli", "integrations"),  # the zero command; the Trainer and Accelerate adapters
+    ("__init__", "__main__"),  # zero/__init__.py's public names; python -m zero
+)
+
+
+def _top(module: str) -> str:
+    """The top-level module or package of ``zero`` that ``module`` belongs to (``zero.a.b`` -> ``"a"``), as
+    ``LAYERS`` names it (``zero`` itself, its ``__init__.py``: ``"__init__"``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(graph: dict[str, dict[str, str]], layers=LAYERS) -> list[str]:
+    """Every import (at any level, function-level ones included; not those only an ``if TYPE_CHECKING:`` block runs)
+    from a module to one of its own layer or a higher one, outside its own top-level module or package."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, where in sorted(edges.items()):
+            low, high = _top(module), _top(target)
+            if low != high and not where.endswith("(TYPE_CHECKING)") and rank[high] >= rank[low]:
+                found.append(f"{module} (layer {rank[low]}: {low}) imports {target} (layer {rank[high]}: {high}) "
+                             f"at {where}")
+    return found
+
+
+def test_every_top_level_module_has_one_layer():
+    placed = [name for names in LAYERS for name in names]
+    assert len(placed) == len(set(placed)), f"named in two layers: {sorted({n for n in placed if placed.count(n) > 1})}"
+    tops = {_top(module) for module in import_graph()}
+    assert tops == set(placed), (f"give each a layer in LAYERS: {sorted(tops - set(placed))}; "
+                                 f"no longer in zero: {sorted(set(placed) - tops)}")
+
+
+def test_the_layer_check_sees_an_upward_import():
+    modules = {"zero", "zero.config", "zero.runtime", "zero.runtime.build", "zero.precision"}
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zero.runtime.build import a\n"
+    typing_only = {t: "zero/config.py:3 (TYPE_CHECKING)" for t in _targets(source, "zero.config", modules)}
+    assert upward_imports({"zero.config": typing_only}) == []  # types only: no layer is run from below
+    function_level = "def f():\n    from zero.runtime.build import a\n"
+    edges = {t: "zero/config.py:2" for t in _targets(function_level, "zero.config", modules)}
+    assert upward_imports({"zero.config": edges}) == [
+        "zero.config (layer 3: config) imports zero.runtime (layer 4: runtime) at zero/config.py:2",
+        "zero.config (layer 3: config) imports zero.runtime.build (layer 4: runtime) at zero/config.py:2"]
+    peers = {"zero.precision": {"zero.offload": "zero/precision.py:1"}, "zero.config": {"zero.precision": "x:1"}}
+    assert upward_imports(peers) == [  # a layer's members are independent: the same layer counts as upward
+        "zero.precision (layer 1: precision) imports zero.offload (layer 1: offload) at zero/precision.py:1"]
+
+
+def test_the_imports_go_down_the_layers():
+    """``zero``'s top-level modules and packages import only from the layers below theirs (``LAYERS``), so the
+    policies never reach for the runtime, the runtime never for the estimator or the checkpoints, and nothing below
+    the facade imports it (the checkpoints read it through ``zero.checkpoint.portable.model_tensors.Checkpointable``).
+    """
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a lower layer to a higher one (or within a layer; see LAYERS):\n" + "\n".join(
+        upward)
+
+
+RUNTIME_LAYERS = ("guards", "precision", "activations", "buffers", "stages", "offload", "step", "gathering",
+                  "reduction")  # each imports only earlier ones
 
 
 def test_the_runtime_packages_import_only_the_ones_before_them():
     """``zero/runtime/``'s sub-packages, in the order of ``RUNTIME_LAYERS`` (their docstrings say what each may
-    import): none imports a later one, nor the assembly above them (``zero.runtime.build``, ``runtime``, ...) except
-    the leaf guard ``zero.runtime.wrappers``."""
+    import): none imports a later one, nor the assembly above them (``zero.runtime.build``, ``runtime``, ...)."""
     def layer(module: str) -> int | None:
         parts = module.split(".")
         if parts[:2] != ["zero", "runtime"] or len(parts) < 3:
@@ -243,7 +312,7 @@ def test_the_runtime_packages_import_only_the_ones_before_them():
     assert all(f"zero.runtime.{name}" in graph for name in RUNTIME_LAYERS)
     upward = sorted(f"{m} -> {t} ({where})" for m, edges in graph.items() if (here := layer(m)) is not None
                     and here < len(RUNTIME_LAYERS) for t, where in edges.items()
-                    if (there := layer(t)) is not None and there > here and t != "zero.runtime.wrappers")
+                    if (there := layer(t)) is not None and there > here)
     assert not upward, "runtime packages importing later ones:\n" + "\n".join(upward)
 
 

@@ -12,9 +12,10 @@ import zero
 from tests.readouts import flat_params
 from tests.toy import DropoutNet, batch
 from zero import ActivationCheckpointing, ZeroConfig, ZeroOptimizer, blocks_within_budget, checkpoint_activations
-from zero.activations import chosen_blocks, saved_activation_bytes
+from zero.estimator.activation_budget import saved_activation_bytes
 from zero.estimator.estimator import trace
 from zero.models import GPT, GPTConfig
+from zero.runtime.activations.checkpointing import chosen_blocks
 
 POLICIES = [{}, {"every": 2}, {"selective": True}, {"offload_inputs": True}, {"classes": ["DropoutBlock"]}]
 

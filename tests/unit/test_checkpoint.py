@@ -1,4 +1,4 @@
-"""The optimizer shard's header (``zero.checkpoint.shard_header``): it records the wrapped optimizer's class and
+"""The optimizer shard's header (``zero.checkpoint.shard.header``): it records the wrapped optimizer's class and
 pieces, and a shard from another class, or with edited state, is refused before anything is loaded.
 
 World size 1, no process group. Until ``ZeroOptimizer._checkpoint_header`` passes
@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.toy import Stack
 from zero import ZeroOptimizer
-from zero.checkpoint import shard_header as checkpoint
+from zero.checkpoint.shard import header as checkpoint
 
 STAGES = [0, 1, 2, 3]
 SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})

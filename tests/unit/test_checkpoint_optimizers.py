@@ -22,7 +22,7 @@ from tests.checkpoints import rewrite_metadata
 from tests.data import adamw_before_42 as before
 from tests.distributed.checkpoint_world import Hidden, whole_missing, whole_optimizers
 from tests.readouts import flat_params
-from zero.checkpoint.files import Checkpoint
+from zero.checkpoint.portable.reader import Checkpoint
 
 STAGES = (0, 1, 2, 3)
 MUON = f"{getattr(torch.optim, 'Muon', object).__module__}.Muon"  # (torch.optim.Muon: torch says "torch.optim")

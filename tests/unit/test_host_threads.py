@@ -12,7 +12,8 @@ import torch
 
 from tests.toy import Net, train_net
 from zero import ZeroOptimizer
-from zero.offload import Offload, host_step_threads
+from zero.offload import Offload
+from zero.runtime.step.host_threads import host_step_threads
 
 pytestmark = pytest.mark.filterwarnings("ignore:offloaded CountingAdamW")
 

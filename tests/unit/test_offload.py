@@ -7,10 +7,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import zero.offload
 from tests.readouts import flat_params
 from tests.toy import Net, train_net
 from zero import ZeroConfig, ZeroOptimizer
+from zero.runtime.offload import host
 
 pytestmark = pytest.mark.filterwarnings("ignore:offloaded AdamW")  # the hint tested at the end
 PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}, "fp16": {"param_dtype": "fp16"}}
@@ -73,7 +73,7 @@ def test_bad_offload_input_is_refused_naming_the_cause(monkeypatch):
         ZeroConfig(stage=2, offload={"params": "cpu"})
     with pytest.raises(ValueError, match="needs stage 1, 2 or 3"):
         ZeroConfig(stage=0, offload={"optimizer": "cpu"})
-    monkeypatch.setattr(zero.offload, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 1000)
     model = Net()
     with pytest.raises(ValueError, match=r"needs about .* GiB of host memory .* only .* GiB is available"):
         ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2, offload={"optimizer": "cpu"})
@@ -81,7 +81,7 @@ def test_bad_offload_input_is_refused_naming_the_cause(monkeypatch):
 
 
 def test_host_memory_is_known_here():
-    assert zero.offload.available_host_bytes() > 0
+    assert host.available_host_bytes() > 0
 
 
 def test_an_unfused_host_adam_is_pointed_to_the_fused_kernel():

@@ -20,9 +20,9 @@ import zero
 from tests.checkpoints import rewrite_metadata
 from tests.distributed.worlds import CFG, GLOBAL_BATCH, build_model, make_optimizer
 from tests.readouts import flat_params
-from zero.checkpoint import tree
 from zero.checkpoint.consolidate import shard_size_bytes
-from zero.checkpoint.files import METADATA, Checkpoint
+from zero.checkpoint.portable import tree
+from zero.checkpoint.portable.reader import METADATA, Checkpoint
 from zero.models import GPT, synthetic_batch
 
 MIXED = {"param_dtype": "bf16"}

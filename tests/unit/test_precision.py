@@ -20,7 +20,7 @@ from tests.recipes import MasterRecipe, grad_scaler_run
 from tests.toy import Net, batch
 from zero import MixedPrecision, ZeroConfig, ZeroOptimizer, init_sharded
 from zero.models import GPT, GPTConfig, init_gpt_weights
-from zero.precision import check_device_supports
+from zero.runtime.precision.parameters import check_device_supports
 
 STAGES = (0, 1, 2, 3)
 STEPS = 5

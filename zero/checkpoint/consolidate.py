@@ -2,7 +2,7 @@
 
 Streaming: each tensor is assembled from its saved pieces and written before the next one is read,
 so the memory held is about one tensor (the largest), never the model. The checkpoint is opened
-with every check of :class:`zero.checkpoint.files.Checkpoint` (metadata checksum and schema, part
+with every check of :class:`zero.checkpoint.portable.reader.Checkpoint` (metadata checksum and schema, part
 sizes and headers) and the CRC of every piece is checked as it is read. Outputs appear under their
 final names only once complete (written to a temporary file of a name no one else uses, fsynced,
 renamed).
@@ -21,7 +21,7 @@ renamed).
   page cache, not in the process's own memory.
 
 Every safetensors file written carries the CRC-32 of each tensor and the SHA-256 of its header
-(:mod:`zero.checkpoint.tensorfile`), and the index records each shard's SHA-256: :func:`load_consolidated`
+(:mod:`zero.checkpoint.portable.tensorfile`), and the index records each shard's SHA-256: :func:`load_consolidated`
 returns exactly the tensors written or raises a ValueError naming the damaged file.
 """
 
@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from zero.checkpoint import tensorfile
-from zero.checkpoint.files import Checkpoint
+from zero.checkpoint.portable import tensorfile
+from zero.checkpoint.portable.reader import Checkpoint
+from zero.checkpoint.portable.schema import summary
+from zero.checkpoint.portable.tensorfile import Spec
 from zero.checkpoint.progress import Progress, ProgressArg
-from zero.checkpoint.schema import summary
-from zero.checkpoint.tensorfile import Spec
 from zero.precision import DTYPES
 from zero.sizes import parse_size
 

@@ -4,9 +4,9 @@ with another set.
 Each wrapped optimizer is recorded in order as ``{"class", "path", "groups"}``: its class with its module
 (``torch.optim.muon.Muon``), its step path (``"flat"``: pieces of the flat shards, the elementwise optimizers;
 ``"whole"``: whole parameters, each stepped by its owner; ``zero.runtime.step.inner``) and its number of param
-groups. The per-rank shard (``zero.checkpoint.shard_header``) and the portable checkpoint
-(``zero.checkpoint.schema``: ``optimizers``) both record the list, and both refuse to load into another one with
-:func:`check_same`: the state of an optimizer does not carry over to another class, another path or other groups.
+groups. The per-rank shard (``zero.checkpoint.shard.header``) and the portable checkpoint
+(``zero.checkpoint.portable.schema``: ``optimizers``) both record the list, and both refuse to load into another one
+with :func:`check_same`: the state of an optimizer does not carry over to another class, another path or other groups.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from zero.estimator.estimator import HEADROOM, Estimate, plan
 from zero.estimator.offloading import BUFFER_COUNTS
 from zero.estimator.traffic import Traffic, validated
 from zero.estimator.workload import Workload
+from zero.offload import target_of
 from zero.sizes import MiB, TiB, format_bytes, format_count, size_range
 
 # ZeroConfig(precision=...) for each --precision the estimator prices
@@ -177,7 +178,7 @@ def _plan_and_print(args: argparse.Namespace) -> int:
         _table(shown)
         kwargs = ", ".join(f"{k}={v!r}" for k, v in zero_config_kwargs(shown[0]).items())
         print(f"to run the first: ZeroOptimizer(optimizer, model, {kwargs})")
-        if shown[0].optimizer_offload == "disk":
+        if target_of(shown[0].optimizer_offload).needs_path:
             print(f"  (the offload path {DISK_PATH!r} stands for yours, on a local NVMe disk: each rank's file takes "
                   f"{format_bytes(shown[0].disk)})")
     else:
@@ -252,14 +253,14 @@ def _traffic_table(e: Estimate) -> None:
 
 
 def _label(e: Estimate) -> str:
-    offload = ("disk offload" if e.optimizer_offload == "disk" else
+    offload = (f"{target_of(e.optimizer_offload).name} offload" if e.paged else
                f"{e.offload_ratio:.0%} offload" if e.offload_ratio < 1 else "offload")
     extras = [x for x, on in (("checkpointing", e.checkpointing), (offload, e.offload)) if on]
     return f"stage {e.stage}, micro-batch {e.micro_batch}" + (f", {' + '.join(extras)}" if extras else "")
 
 
 def _table(rows: list[Estimate]) -> None:
-    disk = any(e.optimizer_offload == "disk" for e in rows)  # (a disk column only when offload to disk is shown)
+    disk = any(e.paged for e in rows)  # (a disk column only when offload to disk is shown)
     columns = ("peak", "params", "grads", "optim", "activ", "temps", "comm", "host") + ("disk",) * disk
     width = max(len(_label(e)) for e in rows)  # "stage 3, micro-batch 16, checkpointing + disk offload"
     legend = "(host: CPU memory; disk: the offload file)" if disk else "(host: CPU memory)"

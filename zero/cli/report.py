@@ -20,10 +20,10 @@ from zero.estimator import sources
 from zero.estimator.estimator import Estimate, estimate
 from zero.memory import CATEGORIES
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
-from zero.offload import available_host_bytes
 from zero.optimizer import ZeroOptimizer
 from zero.profiler.sample import Sample
 from zero.profiler.tracker import profile
+from zero.runtime.offload.host import available_host_bytes
 from zero.sizes import format_bytes, format_count
 
 MiB = 2**20

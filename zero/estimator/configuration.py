@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from zero.config import ZeroConfig
+from zero.offload import target_of
 from zero.precision import MixedPrecision
 from zero.runtime.buffers.units import plan_units
 
@@ -93,6 +94,14 @@ def covered(field: str, table: dict[str, str]) -> bool:
     return any(".".join(parts[:i]) in table for i in range(1, len(parts) + 1))
 
 
+def _needs_path(name: Any) -> bool:
+    """Whether the offload target ``name`` names needs ``offload.path`` (an unknown name: no; ZeroConfig refuses it)."""
+    try:
+        return name is not None and target_of(name).needs_path
+    except ValueError:
+        return False
+
+
 def priced_config(config: ZeroConfig | None = None, **settings: Any) -> ZeroConfig:
     """``config`` (default: ``ZeroConfig()``'s defaults) with ``settings`` applied: ``ZeroConfig`` fields by name
     (``stage=3``, ``unit_classes=["Block"]``, ``offload={...}``) or the estimator's :data:`SHORTHANDS`. Validated
@@ -120,7 +129,7 @@ def priced_config(config: ZeroConfig | None = None, **settings: Any) -> ZeroConf
         else:
             raise ValueError(f"unknown setting {key!r}: the estimator takes ZeroConfig's fields "
                              f"({', '.join(ZeroConfig.model_fields)}) and {', '.join(SHORTHANDS)}")
-    if "disk" in (offload.get("optimizer"), offload.get("params")) and offload.get("path") is None:
+    if any(_needs_path(offload.get(side)) for side in ("optimizer", "params")) and offload.get("path") is None:
         offload["path"] = DISK_PATH
     if offload:
         fields["offload"] = offload

@@ -41,14 +41,14 @@ from zero.config import ZeroConfig
 from zero.estimator.census import Trace, trace  # noqa: F401 - re-exported (zero.estimator.trace)
 from zero.estimator.codec_memory import CodecMemory
 from zero.estimator.configuration import DISK_PATH, POLICIES, Units, precision_name, priced_config
-from zero.estimator.offloading import OFFLOADS, OffloadChoice
+from zero.estimator.offloading import OffloadChoice
 from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.schedule import Options, replay
 from zero.estimator.traffic import Traffic, communication_policy, secondary_size, stages_for, step_traffic
 from zero.estimator.workload import Workload
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
-from zero.offload import Offload
+from zero.offload import TARGETS, Offload, OffloadTarget, target_of
 from zero.precision import DTYPES, MixedPrecision
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
 
@@ -108,8 +108,8 @@ class Estimate:
     module: str
     event: str  # e.g. "gradient reduction", "add operator", "optimizer step"
     disk: float = 0.0  # the offload file (offload to disk), else 0
-    optimizer_offload: str = "none"  # where the optimizer's side lives: "none" (the device), "cpu" or "disk"
-    params_offload: str = "none"  # stage 3's parameter shards: "none" (the device), "cpu" or "disk"
+    optimizer_offload: str = "none"  # the optimizer side's offload target: "none" (the device), "cpu", "disk", ...
+    params_offload: str = "none"  # stage 3's parameter shards' target: "none" (the device), "cpu", "disk", ...
     buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
     offload_ratio: float = 1.0  # partial offload: the share of the optimizer side offloaded (offload.ratio)
     communication_config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig(communication=...) (no defaults)
@@ -122,6 +122,12 @@ class Estimate:
     @property
     def peak(self) -> float:
         return sum(self.categories.values())
+
+    @property
+    def paged(self) -> bool:
+        """The optimizer's side is in a target that pages through host memory (``host``: its window; ``disk``: the
+        file)."""
+        return target_of(self.optimizer_offload).pages
 
     def __getattr__(self, name: str) -> float:  # e.peak's parts by category: e.activations, e.parameters ...
         if name in CATEGORIES:
@@ -244,16 +250,17 @@ def plan(
     kept); those whose peak fits in ``headroom * gpu_memory`` (the rest is left to the allocator and the CUDA
     context), and whose host bytes fit in ``host_memory`` when it is given, best first.
 
-    Offload is ``"none"`` and ``"cpu"`` (stages 1-3), and with a ``host_memory`` budget (bytes of host memory this
-    rank may use) also ``"disk"`` (``offload.buffer_count`` buckets mapped at a time): without a host budget offload
-    to the CPU fits wherever offload to disk does (the same device bytes) and is faster. Offload to the CPU offloads
+    Offload is each target of ``zero.offload.TARGETS``, in its order: ``"none"`` and ``"cpu"`` (stages 1-3), and
+    with a ``host_memory`` budget (bytes of host memory this rank may use) also those that page, ``"disk"``
+    (``offload.buffer_count`` buckets mapped at a time): without a host budget offload to the CPU fits wherever offload
+    to disk does (the same device bytes) and is faster. Offload to the CPU offloads
     the least that fits (``offload_ratio``, :func:`least_offload`): the rest of the optimizer side steps on the
     device, concurrently with the host's part (where no offload fits, full CPU offload is listed as the
     configuration with the least device memory). Checkpointing is none, and ``config``'s policy if it has one, else
     every block of the model's ``nn.ModuleList``.
     Best means most tokens per step for the least extra work: larger micro-batches first, then
-    no checkpointing (it recomputes the forward), no offload before CPU offload before disk (host transfers, then
-    disk reads and writes: the slowest), lower stage (stage 3 moves 1.5x the data).
+    no checkpointing (it recomputes the forward), no offload before CPU offload before disk (the targets' ``tier``:
+    host transfers, then disk reads and writes, the slowest), lower stage (stage 3 moves 1.5x the data).
     ``no_sync``: see :func:`estimate` (only the stages ``ZeroConfig`` runs the communication policy at are tried:
     quantized weights need stage 3, the rest stages 1-3). ``progress`` is told about each trace as it starts."""
     if gpu_memory <= 0:
@@ -263,24 +270,24 @@ def plan(
     base = priced_config(config, **{"stage": 3, **settings})  # (the stage is what the plan varies; 3 runs any policy)
     budget = headroom * gpu_memory
     stages = stages_for(communication_policy(base.communication, world_size)[0], STAGES)  # (shard_size divides it)
-    offloads = OFFLOADS if host_memory is not None else OFFLOADS[:2]
-    if workload.declaring(base.elementwise_optimizers, base.per_parameter_optimizers).assignment().several_or_whole:
-        offloads = tuple(o for o in offloads if o != "disk")  # (disk pages one elementwise optimizer's state)
+    paging = host_memory is not None and not workload.declaring(
+        base.elementwise_optimizers, base.per_parameter_optimizers).assignment().several_or_whole  # (one elementwise)
+    offloads = [target for target in TARGETS if paging or not target.pages]  # (the table's order: fastest first)
     checkpointings = (None, base.activation_checkpointing or ActivationCheckpointing())
     fits, rejected = [], []
     for micro in micro_batches:
         for checkpointing in checkpointings:
             if progress is not None:
                 progress(f"micro-batch {micro}{' with activation checkpointing' if checkpointing else ''}")
-            for offload in offloads:
-                for stage in [s for s in stages if s or offload == "none"]:  # offload needs stage 1-3 (zero.offload)
-                    def priced(ratio: float = 1.0, stage: int = stage, offload: str = offload) -> Estimate:
+            for target in offloads:
+                for stage in [s for s in stages if s or target.on_device]:  # offload needs stage 1-3 (zero.config)
+                    def priced(ratio: float = 1.0, stage: int = stage, target: OffloadTarget = target) -> Estimate:
                         return estimate(workload, base, world_size=world_size, micro_batch=micro, no_sync=no_sync,
                                         stage=stage, activation_checkpointing=checkpointing,
-                                        offload=_candidate(base.offload, offload, ratio))
+                                        offload=_candidate(base.offload, target, ratio))
 
                     e = priced()
-                    if offload == "cpu" and not _why(e, budget, host_memory):
+                    if not target.on_device and not target.pages and not _why(e, budget, host_memory):  # (a ratio)
                         layout = workload.layout(stage, e.group_size, base.precision, base.bucket_size_mb,
                                                  units=Units.of(base))
                         least = least_offload(priced, offload_boundaries(layout), e, budget)
@@ -290,17 +297,17 @@ def plan(
                         rejected.append((e, why))
                     else:
                         fits.append(e)
-    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, OFFLOADS.index(e.optimizer_offload), e.offload_ratio,
+    fits.sort(key=lambda e: (-e.micro_batch, e.checkpointing, target_of(e.optimizer_offload).tier, e.offload_ratio,
                              e.stage))  # (less offloaded first)
     return Plan(fits, rejected)
 
 
-def _candidate(base: Offload, where: str, ratio: float) -> dict[str, Any]:
-    """The planner's offload: the optimizer's side ``where``, ``ratio`` of it, with ``base``'s buffer count, host
+def _candidate(base: Offload, target: OffloadTarget, ratio: float) -> dict[str, Any]:
+    """The planner's offload: the optimizer's side in ``target``, ``ratio`` of it, with ``base``'s buffer count, host
     threads and disk path (the estimator's stand-in if it has none)."""
-    path = (base.path or DISK_PATH) if where == "disk" else None
-    return {"optimizer": where, "ratio": ratio, "buffer_count": base.buffer_count, "host_threads": base.host_threads,
-            "path": path}
+    path = (base.path or DISK_PATH) if target.needs_path else None
+    return {"optimizer": target.name, "ratio": ratio, "buffer_count": base.buffer_count,
+            "host_threads": base.host_threads, "path": path}
 
 
 def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
@@ -311,7 +318,7 @@ def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
         reasons.append(f"needs {format_bytes(e.peak)} > {format_bytes(budget)} at {e.event} ({e.phase}); largest "
                        f"part: {largest.replace('_', ' ')} {format_bytes(e.categories[largest])}")
     if host_budget is not None and e.host > host_budget:
-        held = (f"a window of {e.buffer_count} buckets of the offload file" if e.optimizer_offload == "disk"
+        held = (f"a window of {e.buffer_count} buckets of the offload file" if e.paged
                 else "master weights, gradients and optimizer state")
         reasons.append(f"needs {format_bytes(e.host)} of host memory > {format_bytes(host_budget)} ({held})")
     return "; ".join(reasons)

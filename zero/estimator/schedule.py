@@ -300,7 +300,7 @@ def _off_device(layout: Layout, step: StepTrace, offload: OffloadChoice) -> OffB
     if offload.delayed:  # the fp32 gradients handed to the background step (zero.runtime.step.delayed)
         resident += 4.0 * sum(b.elements for b in layout.buckets if b.offloaded)
     state = step.state(b for b in layout.buckets if b.offloaded)
-    if not offload.on_disk:
+    if not offload.pages:
         return OffBytes(resident + state, 0.0)
     loose = state - layout.disk_state * sum(sum(b.pieces) for b in layout.buckets)
     return OffBytes(resident + loose + window([b.disk for b in layout.buckets], offload.buffer_count), layout.disk)

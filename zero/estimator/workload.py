@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 from torch import nn
 
-from zero.activations import ActivationCheckpointing, checkpoint_activations
+from zero.activations import ActivationCheckpointing
 from zero.estimator.configuration import POLICIES, Units
 from zero.estimator.failure import explained
 from zero.estimator.offloading import OffloadChoice, file_bytes, host_bytes
@@ -24,12 +24,15 @@ from zero.estimator.optimizers import Assignment, Ownership, assign, ownership
 from zero.estimator.schedule import BucketBytes, Layout, StepTrace
 from zero.estimator.timeline import Timeline, record_step
 from zero.estimator.traffic import Wire
-from zero.precision import DTYPES, MixedPrecision, full_precision_parameters, input_casts
+from zero.precision import DTYPES, MixedPrecision
+from zero.runtime.activations.checkpointing import checkpoint_activations
 from zero.runtime.buffers.partition import build_partition
 from zero.runtime.buffers.placement import Where
 from zero.runtime.buffers.plan import Role
 from zero.runtime.offload.disk import planned_disk_bytes
 from zero.runtime.offload.paging import per_element_state
+from zero.runtime.precision.casts import input_casts
+from zero.runtime.precision.parameters import full_precision_parameters
 from zero.runtime.stages import make_stage
 from zero.runtime.step.inner import same_kind
 
@@ -223,13 +226,13 @@ class Workload:
         of it). The rank is ``rank`` (its shard: ``rank % shards``), else, with several or whole-parameter
         optimizers, the one holding the most optimizer state (:func:`zero.estimator.optimizers.ownership`), else
         rank 0. ``units``: stage 3's unit policy (``ZeroConfig.unit_classes`` or ``unit_size_mb``)."""
-        if offload.on_disk and self.assignment().several_or_whole:
+        if offload.pages and self.assignment().several_or_whole:
             raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
                              f"with {self.assignment().describe()} offload to 'cpu' instead")
         policy = precision_policy(precision)
         model = self.model(policy, units=units)
         stage_policy = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
-        state = self._disk_state() if offload.on_disk else {}
+        state = self._disk_state() if offload.pages else {}
         stepped = set(self.assignment().group_of)  # (the trainable parameters in the optimizers)
         with self.mode:
             full = full_precision_parameters(model)
@@ -255,7 +258,7 @@ class Workload:
             staged=partition.plan.policy.staged,
             grad_buffer=sum(plan.nbytes(Role.GRADS) for plan in partition.plan.buckets),
             units=tuple(u.name for u in partition.units),
-            disk=planned_disk_bytes(stage_plan, state) if offload.on_disk else 0,
+            disk=planned_disk_bytes(stage_plan, state) if offload.pages else 0,
             disk_state=sum(dtype.itemsize for dtype in state.values()),
             slots=len(partition.slots),
             owners=owners,

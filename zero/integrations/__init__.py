@@ -1,14 +1,12 @@
 """Where ``zero`` meets the tools users already train with: Hugging Face ``Trainer``
-(:mod:`zero.integrations.transformers`), ``Accelerate`` (:mod:`zero.integrations.accelerate`), and DeepSpeed's
-JSON configs (:mod:`zero.integrations.deepspeed_config`, read by ``ZeroConfig.from_deepspeed``).
+(:mod:`zero.integrations.transformers`) and ``Accelerate`` (:mod:`zero.integrations.accelerate`). DeepSpeed's JSON
+configs are read by ``ZeroConfig.from_deepspeed`` with :mod:`zero.deepspeed` (below ``zero.config``);
+:mod:`zero.integrations.deepspeed_config` re-exports its reader under the name it had here.
 
-**What it may import.** The Trainer and Accelerate integrations sit above the whole library (they import
-``zero.optimizer``, ``zero.config``, ``zero.checkpoint`` and their own library, which is not a dependency of
-``zero``: each submodule imports its library when it is imported). The DeepSpeed config reader sits below
-``zero.config``, which imports it: it imports nothing of ``zero`` but its key tables
-(:mod:`zero.integrations.deepspeed_keys`). So this ``__init__``, which holds what the Trainer and Accelerate
-submodules share, imports nothing of ``zero`` either: importing the reader from ``zero.config`` runs it, and must
-not run the optimizer (which imports ``zero.config``) or any integration's library.
+**What it may import.** The integrations sit above the whole library (they import ``zero.optimizer``,
+``zero.config``, ``zero.checkpoint`` and their own library, which is not a dependency of ``zero``: each submodule
+imports its library when it is imported). This ``__init__``, which holds what the Trainer and Accelerate submodules
+share, imports nothing of ``zero`` and no integration's library, so importing one submodule runs no other's.
 
 The Trainer and Accelerate integrations rest on the same three rules, the traps a ``ZeroOptimizer`` falls into
 otherwise:

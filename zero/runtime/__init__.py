@@ -1,6 +1,11 @@
 """The training runtime behind :class:`zero.ZeroOptimizer`, one sub-package per concern, in the order it is built
 and runs (each package's docstring says what it owns and what it may import; none imports a package after it):
 
+* ``guards``: the refusals every layer may call (``ddp``: DistributedDataParallel around the model; ``ownership``:
+  one optimizer per parameter, and the model still using the parameters it was built with);
+* ``precision`` and ``activations``: what the policies of :mod:`zero.precision` and :mod:`zero.activations` do to
+  the model when the optimizer is built (the parameters' and the forward inputs' casts; the checkpoint hooks of the
+  chosen blocks, their inputs kept in host memory);
 * ``buffers``: what exists per bucket (the plan: buffers, their dtype and placement, the collectives that move them;
   computed once from the config, the model and the world, and priced by the estimator too), how parameters are packed
   into buckets and sharded (``layout``, ``partition``, stage 3's ``units``), the flat buffers and the bucket that owns
@@ -15,8 +20,8 @@ and runs (each package's docstring says what it owns and what it may import; non
 * ``reduction``: the hooks that reduce gradients, overlapped with backward, in the order ``reduction_order`` decides
   (the estimator follows it too);
 * here: ``build`` assembles all of it (``materialize``: a model built on ``meta``) into the ``runtime``, which the
-  facade in :mod:`zero.optimizer` calls; ``gathered`` and ``owned_memory`` are operations over the whole runtime;
-  ``wrappers`` refuses DistributedDataParallel around the model (a leaf every layer may import).
+  facade in :mod:`zero.optimizer` calls; ``whole_parameters`` (``ZeroOptimizer.gathered_parameters``) and
+  ``owned_memory`` are operations over the whole runtime.
 
 Collectives are only in :mod:`zero.comm.communicator`.
 """

@@ -18,19 +18,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zero.activations import checkpoint_activations
 from zero.comm.communicator import Communicator
 from zero.comm.hierarchy import codec_of, hierarchical
 from zero.config import ZeroConfig
-from zero.offload import check_host_memory, host_step_threads, warn_unfused_host_step
-from zero.precision import (
-    DTYPES,
-    cast_unmanaged_parameters,
-    check_device_supports,
-    full_precision_parameters,
-    input_casts,
-)
-from zero.runtime.buffers.ownership import Owner, claim_parameters, managed_elsewhere
+from zero.precision import DTYPES
+from zero.runtime.activations.checkpointing import checkpoint_activations
 from zero.runtime.buffers.partition import Partition, build_partition
 from zero.runtime.buffers.placement import Placements
 from zero.runtime.buffers.units import plan_units
@@ -38,14 +30,23 @@ from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.gathering.release import ModelRelease, gather_dropped_shards
 from zero.runtime.gathering.secondary import PrimaryShards, SecondaryCopies
+from zero.runtime.guards.ddp import check_not_ddp
+from zero.runtime.guards.ownership import Owner, claim_parameters, managed_elsewhere
 from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
-from zero.runtime.offload.disk import DiskPlacement, OffloadFile, check_disk_space, planned_disk_bytes
-from zero.runtime.offload.paging import DiskPaging, DiskState, Resident, per_element_state
+from zero.runtime.offload.host import check_host_memory
+from zero.runtime.offload.paging import per_element_state
+from zero.runtime.offload.targets import paging_of, placements_of
+from zero.runtime.precision.casts import input_casts
+from zero.runtime.precision.parameters import (
+    cast_unmanaged_parameters,
+    check_device_supports,
+    full_precision_parameters,
+)
 from zero.runtime.reduction.reducer import GradReducer
 from zero.runtime.runtime import Runtime
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.step.delayed import DelayedStep
-from zero.runtime.step.host_threads import HostThreads
+from zero.runtime.step.host_threads import HostThreads, host_step_threads, warn_unfused_host_step
 from zero.runtime.step.inner import (
     ParamGroups,
     as_list,
@@ -58,7 +59,6 @@ from zero.runtime.step.inner import (
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.step.owner_step import OwnerStep
 from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
-from zero.runtime.wrappers import check_not_ddp
 from zero.weak import weak_hook
 
 
@@ -92,8 +92,8 @@ def build_runtime(
     meta = _replace_meta_parameters(model, groups, stage, init_fn, comm.device)
     if config.sync_module_states:
         _broadcast_module_states(model, world, skip=meta)
-    placements = placements or Placements.of(config.offload, comm.device, _disk(config, comm))
-    state = per_element_state(optimizers[0]) if placements.disk is not None else {}  # what a disk file must hold
+    placements = placements or placements_of(config.offload, comm.device, comm.rank, comm.world_size)
+    state = per_element_state(optimizers[0]) if placements.paged is not None else {}  # what a paged side must hold
     partition = _build_partition(groups, model, config, stage, comm, placements, state, secondary)
     owner = Owner()
     claim_parameters(owner, partition.buckets)
@@ -116,7 +116,7 @@ def build_runtime(
               for o, r, w in zip(optimizers, groups.ranges, whole)]
     owners.inners = [inner for inner in inners if inner.whole]
     stepper = BucketStepper(inners, partition.trainable_buckets, config.step_kernel)
-    paging = _paging(inners[0].optimizer, partition, placements, config, state)
+    paging = paging_of(inners[0].optimizer, partition.trainable_buckets, placements, state, config.offload.buffer_count)
     threads = HostThreads(_host_threads(config, comm))
     if threads.count is not None:
         for inner in inners:
@@ -175,7 +175,7 @@ def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[
     if config.offload.delayed_step:
         raise ValueError(f"offload.delayed_step steps a copy of one elementwise optimizer in the background; with "
                          f"{what} turn it off (offload.optimizer='cpu' alone steps on the host)")
-    if config.offload.on_disk:
+    if config.offload.pages:
         raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
                          f"with {what} offload to 'cpu' instead")
 
@@ -212,7 +212,7 @@ def _build_partition(
     secondary: Communicator | None,
 ) -> Partition:
     """The buckets (and their plan) of this rank, after checking that the offloaded side fits in host memory (or,
-    on disk, with the optimizer's per-element ``state``, that the disk has room for the plan)."""
+    paged, with the optimizer's per-element ``state``, that its placement has room for the plan: the disk's)."""
     precision, offload = config.precision, config.offload
     num_shards = stage.num_shards(comm.world_size)
     trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
@@ -230,29 +230,8 @@ def _build_partition(
         device=comm.device,
         dtypes_of=lambda p: precision.dtypes(p.dtype, full=p in full),
         placements=placements,
-        check=None if placements.disk is None else lambda plan: check_disk_space(
-            offload.path, planned_disk_bytes(plan, state)
-        ),
+        check=lambda plan: placements.check_room(plan, state),
     )
-
-
-def _disk(config: ZeroConfig, comm: Communicator) -> DiskPlacement | None:
-    """With offload to disk, this rank's file (made at its first allocation, once the plan's bytes fit)."""
-    if not config.offload.on_disk:
-        return None
-    return DiskPlacement(OffloadFile(config.offload.path, comm.rank, comm.world_size))
-
-
-def _paging(
-    inner: torch.optim.Optimizer, partition: Partition, placements: Placements, config: ZeroConfig, state: dict
-) -> Resident:
-    """How passes over the optimizer side walk the buckets: a window through host memory when it is on disk
-    (``state``: the optimizer's per-element state, which the file holds too)."""
-    disk = placements.disk
-    if disk is None:
-        return Resident()
-    disk_state = DiskState(inner, state, partition.trainable_buckets, disk)
-    return DiskPaging(disk_state, disk.file, config.offload.buffer_count)
 
 
 def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[torch.nn.Parameter]], list]:
@@ -278,7 +257,8 @@ def _gatherer(
 
 def _input_casts(runtime: Runtime, partition: Partition) -> list:
     """Mixed precision: the root's floating-point inputs cast to ``param_dtype``, and those of each unit and of each
-    module computing in it (``zero.precision.input_casts``; refused by name with ``cast_forward_inputs=False``)."""
+    module computing in it (``zero.runtime.precision.casts.input_casts``; refused by name with
+    ``cast_forward_inputs=False``)."""
     precision, model = runtime.config.precision, runtime.module
     if not precision.enabled:
         return []

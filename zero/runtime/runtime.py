@@ -18,15 +18,17 @@ import torch
 from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.kernels.grad_norm import scale_, tensor_norms, total_norm
-from zero.precision import DTYPES, cast_inputs
+from zero.precision import DTYPES
 from zero.runtime.buffers.bucket import Bucket, LocalPiece
-from zero.runtime.buffers.ownership import Owner, check_model
 from zero.runtime.buffers.partition import Partition
 from zero.runtime.buffers.placement import Placements
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.gathering.release import ModelRelease
+from zero.runtime.guards.ddp import check_not_called_by_ddp
+from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
+from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
@@ -34,7 +36,6 @@ from zero.runtime.step.inner import Inner
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.runtime.step.owner_step import OwnerStep
 from zero.runtime.step.stepper import BucketStepper, ImmediateUpdate
-from zero.runtime.wrappers import check_not_called_by_ddp
 
 
 @dataclass(eq=False)
@@ -47,14 +48,14 @@ class Runtime:
     stage: Stage
     partition: Partition
     placements: Placements
-    owner: Owner  # what the managed parameters are marked with (zero.runtime.buffers.ownership)
+    owner: Owner  # what the managed parameters are marked with (zero.runtime.guards.ownership)
     inners: list[Inner]  # the wrapped optimizers, each rebuilt over this rank's share (zero.runtime.step.inner)
     stepper: BucketStepper
     owners: OwnerStep  # the whole-parameter optimizers' owners and exchange (inert without one)
     update: ImmediateUpdate | DelayedStep
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer
-    paging: Resident  # how passes over the optimizer side walk the buckets (DiskPaging: through host memory)
+    paging: Resident  # how passes over the optimizer side walk the buckets (WindowPaging: through host memory)
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)
@@ -85,7 +86,7 @@ class Runtime:
             raise ValueError("this ZeroOptimizer was closed (close()); build a new one over the model to train it")
 
     def check_model(self) -> None:
-        """As each backward pass starts and before a step: see :func:`zero.runtime.buffers.ownership.check_model`."""
+        """As each backward pass starts and before a step: see :func:`zero.runtime.guards.ownership.check_model`."""
         check_model(self.module, self.buckets, whole=not self.gatherer.sharded)
 
     def before_backward(self) -> None:
@@ -102,7 +103,7 @@ class Runtime:
         self.release_master_grads()
 
     def before_first_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.runtime.wrappers)."""
+        """Once: a DDP wrapper built around the model after this optimizer is refused (see zero.runtime.guards.ddp)."""
         check_not_called_by_ddp(self.module)
         self.first_forward_hook.remove()
 

@@ -16,10 +16,10 @@ import torch
 from zero.precision import BufferDtypes
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.buffers.layout import plan_buckets
-from zero.runtime.buffers.ownership import managed_elsewhere
 from zero.runtime.buffers.placement import DevicePlacement, Placements
 from zero.runtime.buffers.plan import StagePlan, StagePolicy, plan_bucket
 from zero.runtime.buffers.units import UnitSpec
+from zero.runtime.guards.ownership import managed_elsewhere
 
 
 @dataclass

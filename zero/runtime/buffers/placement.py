@@ -14,16 +14,20 @@ side, stage 3's parameter shard), derived from the offload policy; the plan (``z
 records which side each buffer is on. :class:`~zero.runtime.offload.disk.DiskPlacement` (ZeRO-Infinity) keeps buffers in
 a memory-mapped file per rank; a placement's :meth:`~Placement.prefetch` and :meth:`~Placement.evict` page them
 in and out (nothing to do for memory).
+
+Each offload target (``zero.offload.TARGETS``, or one of your own) names its ``Placement`` subclass; the runtime builds
+it with :meth:`Placement.make` (``zero.runtime.offload.targets``), and :meth:`Placements.of` puts each side of the
+buckets in its target's placement. ``Where`` (where a buffer's bytes live) is the policy's (``zero.offload``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from typing import Any, Callable
 
 import torch
 
-from zero.offload import Offload
+from zero.offload import Offload, OffloadTarget, Where
 
 HOST = torch.device("cpu")
 
@@ -37,29 +41,24 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-class Where(Enum):
-    """Where a planned buffer lives (what the estimator prices apart: device memory, host memory)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    PINNED_HOST = "pinned host"
-    DISK = "disk"
-
-    @property
-    def on_host(self) -> bool:
-        return self is not Where.DEVICE
-
-    @property
-    def suffix(self) -> str:
-        """How the profiler's labels name buffers kept here: ``""``, ``" (host)"`` or ``" (disk)"``."""
-        return {Where.DEVICE: "", Where.DISK: " (disk)"}.get(self, " (host)")
-
-
 class Placement:
     """Allocation, release and restore of a buffer's storage in one kind of memory."""
 
     where: Where
     device: torch.device
+
+    @classmethod
+    def make(cls, offload: Offload, device: torch.device, rank: int, world_size: int) -> "Placement":
+        """This placement for one rank's run of an offload target that names it (``device``: the model's)."""
+        raise NotImplementedError
+
+    def check_room(self, plan: Any, state: dict[str, torch.dtype]) -> None:
+        """Raise before anything is allocated if what the stage plan (``zero.runtime.buffers.plan.StagePlan``) puts
+        here, and with paging the optimizer's per-element ``state``, cannot fit (memory: checked apart, by
+        ``zero.runtime.offload.host``)."""
+
+    def check(self) -> None:
+        """Raise unless the bytes held here are still this run's (disk: its file); once per paging pass."""
 
     def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
         """A 1D tensor of ``numel`` elements, zeroed if ``allocate``, else released."""
@@ -94,6 +93,10 @@ class DevicePlacement(Placement):
         self.device = device
         self.where = where
 
+    @classmethod
+    def make(cls, offload: Offload, device: torch.device, rank: int, world_size: int) -> "Placement":
+        return cls(device)
+
     def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
         tensor = torch.empty(numel, dtype=dtype, device=self.device)  # 1D
         if allocate:
@@ -115,6 +118,10 @@ class HostPlacement(DevicePlacement):
     def __init__(self, pin: bool):
         super().__init__(HOST, Where.PINNED_HOST if pin else Where.HOST)
         self.pin = pin
+
+    @classmethod
+    def make(cls, offload: Offload, device: torch.device, rank: int, world_size: int) -> "Placement":
+        return cls(pin=device.type == "cuda")
 
     def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
         if not self.pin:
@@ -179,21 +186,32 @@ class Placements:
     shard: Placement
     copies: HostCopies | None = field(default=None, compare=False)  # how gradient chunks go down to the host
     ratio: float = 1.0  # the share of the buckets' elements these hold; the rest are the device's (for_buckets)
+    paged: Placement | None = None  # the side's placement whose target pages through host memory (zero.offload)
 
     @classmethod
-    def of(cls, offload: Offload, device: torch.device, disk: Placement | None = None) -> "Placements":
-        """As ``offload`` says; ``disk``: the disk placement (``zero.runtime.offload.disk``) when it says 'disk'."""
-        assert (disk is not None) == offload.on_disk
+    def of(cls, offload: Offload, device: torch.device, place: Callable[[OffloadTarget], Placement]) -> "Placements":
+        """As ``offload`` says: each side in its target's placement, ``place(target)`` (one per target, shared by the
+        sides that name it; the device's own for the device)."""
         on_device = DevicePlacement(device)
-        if offload.ratio == 0:  # nothing offloaded: exactly no offload
+        if offload.ratio == 0 or not offload.optimizer_on_host:  # nothing offloaded: exactly no offload
             return cls.on(on_device)
-        host = HostPlacement(pin=device.type == "cuda")
+        made: dict[OffloadTarget, Placement] = {}
+
+        def placed(target: OffloadTarget) -> Placement:
+            if target.on_device:
+                return on_device
+            if target not in made:
+                made[target] = place(target)
+            return made[target]
+
+        sides = [(target, placed(target)) for target in (offload.optimizer_target, offload.params_target)]
         return cls(
             device=on_device,
-            optimizer=disk or host if offload.optimizer_on_host else on_device,
-            shard=(disk if offload.params == "disk" else host) if offload.params_on_host else on_device,
-            copies=HostCopies(device) if offload.optimizer_on_host else None,
+            optimizer=sides[0][1],
+            shard=sides[1][1],
+            copies=HostCopies(device),
             ratio=offload.ratio,
+            paged=next((placement for target, placement in sides if target.pages), None),
         )
 
     def for_buckets(self, numels: list[int]) -> list["Placements"]:
@@ -232,6 +250,12 @@ class Placements:
     def disk(self) -> Placement | None:
         """The disk placement, if a side is on disk."""
         return next((p for p in (self.optimizer, self.shard) if p.where is Where.DISK), None)
+
+    def check_room(self, plan: Any, state: dict[str, torch.dtype]) -> None:
+        """Before anything is allocated: each placement's room for what ``plan`` puts there
+        (:meth:`Placement.check_room`; ``state``: the optimizer's per-element state, paged with the buckets)."""
+        for placement in {id(p): p for p in (self.device, self.optimizer, self.shard)}.values():
+            placement.check_room(plan, state)
 
     def close(self) -> None:
         """Give back what the placements hold outside the process (the offload file)."""

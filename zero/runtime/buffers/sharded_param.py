@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero.runtime.wrappers import refuse_if_ddp_is_building
+from zero.runtime.guards.ddp import refuse_if_ddp_is_building
 
 # Attribute getters and methods that only read metadata (or hooks): allowed while sharded.
 METADATA = frozenset(

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from zero.offload import Offload
 from zero.runtime.buffers.placement import HOST, Placement, Where
 from zero.runtime.buffers.plan import StagePlan
 
@@ -234,6 +235,17 @@ class DiskPlacement(Placement):
     def __init__(self, file: OffloadFile):
         self.file = file
         self.regions: dict[int, Region] = {}  # by the tensor's data pointer
+
+    @classmethod
+    def make(cls, offload: Offload, device: torch.device, rank: int, world_size: int) -> "DiskPlacement":
+        """This rank's file under ``offload.path`` (made at its first allocation, once the plan's bytes fit)."""
+        return cls(OffloadFile(offload.path, rank, world_size))
+
+    def check_room(self, plan: StagePlan, state: dict[str, torch.dtype]) -> None:
+        check_disk_space(self.file.directory, planned_disk_bytes(plan, state))
+
+    def check(self) -> None:
+        self.file.check()
 
     def new(self, numel: int, dtype: torch.dtype, *, allocate: bool) -> torch.Tensor:
         region = self.file.reserve(numel * dtype.itemsize)  # zeros until written: ``allocate`` needs nothing

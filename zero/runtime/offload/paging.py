@@ -1,15 +1,15 @@
-"""Paging the optimizer's side of each bucket through host memory when it lives on disk.
+"""Paging the optimizer's side of each bucket through host memory when its offload target pages (``"disk"``).
 
 Every pass over the buckets' optimizer side (making the optimizer's gradients, clipping, the step) goes through
 :meth:`walk`, which yields the buckets in order (``grads_only``: the pass reads only the gradient shards). Under
-:class:`Resident` (memory placements) that is all. Under :class:`DiskPaging` at most ``buffer_count`` buckets are
+:class:`Resident` (memory placements) that is all. Under :class:`WindowPaging` at most ``buffer_count`` buckets are
 mapped at a time: each one is read ahead (its master, gradient shard, stage-3 parameter shard and optimizer state)
 ``buffer_count - 1`` buckets before it is used, and written back and dropped from memory as soon as it has been
 (``zero.runtime.offload.disk``). So reads of the next buckets, the current bucket's work and the write-back of the
 previous ones overlap, and host memory holds a window of buckets, not the model.
 
 The wrapped optimizer's per-element state (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``)
-lives in the file too: :class:`DiskState` preallocates a region per bucket and key, learned by stepping a
+lives in the file too: :class:`PagedState` preallocates a region per bucket and key, learned by stepping a
 two-element copy of the optimizer at construction, and moves the tensors ``torch.optim`` creates (at a bucket's
 first step, or on ``load_state_dict``) into them, one bucket at a time. The values are the same tensors' values,
 so disk offload changes no number.
@@ -25,7 +25,6 @@ import torch
 from zero.runtime.buffers.bucket import Bucket, LocalPiece
 from zero.runtime.buffers.flat_buffer import FlatBuffer
 from zero.runtime.buffers.placement import Placement
-from zero.runtime.offload.disk import OffloadFile
 
 
 class Resident:
@@ -42,16 +41,16 @@ class Resident:
         return None
 
 
-class DiskPaging(Resident):
-    """A window of ``buffer_count`` buckets mapped at a time (see the module docstring)."""
+class WindowPaging(Resident):
+    """A window of ``buffer_count`` buckets of ``placement`` mapped at a time (see the module docstring)."""
 
-    def __init__(self, state: "DiskState", file: OffloadFile, buffer_count: int):
+    def __init__(self, state: "PagedState", placement: Placement, buffer_count: int):
         self.state = state
-        self.file = file
+        self.placement = placement
         self.buffer_count = buffer_count
 
     def walk(self, buckets: list[Bucket], grads_only: bool = False) -> Iterator[Bucket]:
-        self.file.check()  # still this run's file, once per pass
+        self.placement.check()  # still this run's file, once per pass
         ahead = self.buffer_count - 1
         for bucket in buckets[:ahead]:
             self.prefetch(bucket, grads_only)
@@ -90,8 +89,9 @@ class DiskPaging(Resident):
         return bucket.offloaded_buffers(grads_only) + state
 
 
-class DiskState:
-    """The wrapped optimizer's per-element state in regions of the offload file, one per bucket and key."""
+class PagedState:
+    """The wrapped optimizer's per-element state in regions of the paged placement (the offload file), one per bucket
+    and key."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, layout: dict[str, torch.dtype], buckets: list[Bucket],
                  placement: Placement):
@@ -130,7 +130,7 @@ class DiskState:
 def trim_heap() -> None:
     """Return the C heap's free memory to the system (glibc's ``malloc_trim``; elsewhere nothing). glibc keeps freed
     chunks in its heap (and its mmap threshold rises as large blocks are freed, so more of them land there): without
-    this, the state tensors ``torch.optim`` made in memory at the first step, which :meth:`DiskState.adopt` moved to
+    this, the state tensors ``torch.optim`` made in memory at the first step, which :meth:`PagedState.adopt` moved to
     the file, and the step's temporaries would stay resident after the step."""
     try:
         ctypes.CDLL(None).malloc_trim(0)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zero.runtime.buffers.ownership import managed_elsewhere
+from zero.runtime.guards.ownership import managed_elsewhere
 
 # Update rules that act element by element: correct on any slice of a flattened parameter.
 ELEMENTWISE_OPTIMIZERS = tuple(

@@ -9,10 +9,27 @@ or ``load_state_dict(assign=True)`` after wrapping would otherwise train on sile
 from __future__ import annotations
 
 import weakref
+from typing import Protocol, Sequence
 
 import torch
 
-from zero.runtime.buffers.bucket import Bucket
+
+class _Slot(Protocol):
+    @property
+    def param(self) -> torch.nn.Parameter: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+class Managed(Protocol):
+    """What this guard reads of a bucket (:class:`zero.runtime.buffers.bucket.Bucket`, not imported: the buffers import
+    the guards): its parameters' slots, and its check that they still view its buffers."""
+
+    @property
+    def slots(self) -> Sequence[_Slot]: ...
+
+    def check_attached(self, whole: bool) -> None: ...
 
 
 class Owner:
@@ -39,7 +56,7 @@ def managed_elsewhere(param: torch.nn.Parameter) -> bool:
     return owner is not None and owner.alive
 
 
-def claim_parameters(owner: object, buckets: list[Bucket]) -> None:
+def claim_parameters(owner: object, buckets: Sequence[Managed]) -> None:
     """Mark every parameter in ``buckets`` as ``owner``'s; refuse one that another live ZeroOptimizer manages
     (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
     slots = [slot for bucket in buckets for slot in bucket.slots]
@@ -54,7 +71,7 @@ def claim_parameters(owner: object, buckets: list[Bucket]) -> None:
         slot.param._zero_owner = OwnerRef(owner)
 
 
-def check_model(model: torch.nn.Module, buckets: list[Bucket], *, whole: bool) -> None:
+def check_model(model: torch.nn.Module, buckets: Sequence[Managed], *, whole: bool) -> None:
     """Raise if the model no longer uses the managed parameters as they were (``whole``: stages 0-2, whose
     parameters view the buckets' storage)."""
     for bucket in buckets:

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from zero.checkpoint import optimizer_set, tree
-from zero.checkpoint.files import Checkpoint
-from zero.checkpoint.model_tensors import ModelTensor, checked, describe
+import zero.checkpoint.portable.tree as tree
+from zero.checkpoint import optimizer_set
+from zero.checkpoint.portable.model_tensors import Checkpointable, ModelTensor, checked, describe
+from zero.checkpoint.portable.reader import Checkpoint
 from zero.checkpoint.progress import Progress, ProgressArg
-from zero.optimizer import ZeroOptimizer
 from zero.runtime.buffers.bucket import ParamSlot
 from zero.runtime.step.inner import Inner
 
@@ -22,7 +22,7 @@ from zero.runtime.step.inner import Inner
 def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
-    optimizer: ZeroOptimizer | None = None,
+    optimizer: Checkpointable | None = None,
     *,
     scheduler: Any = None,
     progress: ProgressArg = True,
@@ -65,7 +65,7 @@ class LoadPlan:
     meter: Progress
 
 
-def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: ZeroOptimizer, report: ProgressArg) -> LoadPlan:
+def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: Checkpointable, report: ProgressArg) -> LoadPlan:
     """Every check, and the checksums of everything this rank reads; nothing is changed."""
     model_tensors, aliases = describe(model, opt)
     shapes = {h.name: tuple(h.tensor.shape) for h in model_tensors}
@@ -118,7 +118,7 @@ def _more(names: list[str], shown: int) -> str:
     return f", and {len(names) - shown} more" if len(names) > shown else ""
 
 
-def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> None:
+def _check_optimizer(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[ModelTensor]) -> None:
     """The same optimizers (classes, order, step paths, param groups; one elementwise optimizer's class only
     matters when the checkpoint holds its state), and every trainable parameter in the same param group."""
     saved, here = ckpt.meta.optimizer_records(), optimizer_set.records(opt.runtime.inners)
@@ -135,7 +135,7 @@ def _check_optimizer(ckpt: Checkpoint, opt: ZeroOptimizer, model_tensors: list[M
                              f"{h.slot.group_index} now; build the optimizer with the same param groups")
 
 
-def _ranges(h: ModelTensor, opt: ZeroOptimizer) -> list[tuple[int, int]]:
+def _ranges(h: ModelTensor, opt: Checkpointable) -> list[tuple[int, int]]:
     """The element ranges of ``h`` this rank holds: its pieces in its bucket's chunk, or all of it."""
     if h.slot is None:
         return [(0, h.tensor.numel())]
@@ -144,7 +144,7 @@ def _ranges(h: ModelTensor, opt: ZeroOptimizer) -> list[tuple[int, int]]:
             if p.param_index == h.slot.span.param_index]
 
 
-def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
+def _apply(ckpt: Checkpoint, opt: Checkpointable, plan: LoadPlan) -> None:
     """Write the values into masters, shards and whole tensors; rebuild the optimizer state; share."""
     aliases = ckpt.meta.aliases
     with torch.no_grad():
@@ -162,7 +162,7 @@ def _apply(ckpt: Checkpoint, opt: ZeroOptimizer, plan: LoadPlan) -> None:
     opt.finish_load(states[0] if len(states) == 1 else states, plan.state["loss_scale"])
 
 
-def _inner_state(ckpt: Checkpoint, opt: ZeroOptimizer, inner: Inner, hyper: list[dict[str, Any]]) -> dict[str, Any]:
+def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, hyper: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``torch.optim`` state dict of one wrapped optimizer over this rank's share, read from ``ckpt``: each
     piece's state cut from the saved pieces (flat), or each owned whole parameter's state as its owner saved it."""
     aliases = ckpt.meta.aliases

@@ -1,4 +1,4 @@
-"""The tables of DeepSpeed config keys that ``zero.integrations.deepspeed_config`` reads (for
+"""The tables of DeepSpeed config keys that :mod:`zero.deepspeed.reader` reads (for
 ``ZeroConfig.from_deepspeed``): the ones ignored with a reason, accepted at a neutral value only, refused with a fix,
 and mapped (in code there)."""
 

@@ -1,15 +1,15 @@
 """Portable checkpoints: :func:`save_checkpoint` on N ranks, :func:`load_checkpoint` on M, at any stage.
 
-Every rank calls both. Saving (:mod:`zero.checkpoint.save`), each rank writes what it alone owns
+Every rank calls both. Saving (:mod:`zero.checkpoint.portable.save`), each rank writes what it alone owns
 (its chunk of every bucket: master weights or parameters, and the optimizer state beside them; at
 stage 0, where every rank owns everything, bucket ``b`` is written by rank ``b mod N``), plus its
 share of the tensors kept whole (frozen parameters at stages 0-2, buffers), and the optimizer state
-of the parameters it steps whole (Muon, Adafactor, ...: :mod:`zero.checkpoint.whole_state`; at stage
+of the parameters it steps whole (Muon, Adafactor, ...: :mod:`zero.checkpoint.portable.whole_state`; at stage
 0, the ``i``-th such parameter by rank ``i mod N``). Rank 0 then writes ``metadata.json`` (see
-:mod:`zero.checkpoint.files`) and renames the directory into place. Loading
-(:mod:`zero.checkpoint.load`), each rank reads the ranges it owns now from whichever files hold
+:mod:`zero.checkpoint.portable.reader`) and renames the directory into place. Loading
+(:mod:`zero.checkpoint.portable.load`), each rank reads the ranges it owns now from whichever files hold
 them, and the whole state of the parameters it owns now. Both see the model's tensors through
-:mod:`zero.checkpoint.model_tensors`.
+:mod:`zero.checkpoint.portable.model_tensors`.
 
 Notes:
 
@@ -18,9 +18,9 @@ Notes:
   is it renamed to ``PATH``. Saving over an existing checkpoint renames the old one to
   ``PATH.replaced`` for the moment between the two renames. A crash at any point leaves a loadable
   checkpoint, and the next save finishes or clears what it left; nothing that this library did not
-  write is ever deleted (:mod:`zero.checkpoint.directory`: each step, and what a crash leaves).
+  write is ever deleted (:mod:`zero.checkpoint.portable.directory`: each step, and what a crash leaves).
 * **Checked before anything changes.** A load checks the metadata (checksum, schema, the parts'
-  headers: :mod:`zero.checkpoint.files`) and against the model and optimizer, and verifies the CRC
+  headers: :mod:`zero.checkpoint.portable.reader`) and against the model and optimizer, and verifies the CRC
   of every byte this rank will read, on every rank, and the ranks agree, before the first value is
   written. A refused load leaves the running model and optimizer untouched.
 * **Never hangs on one rank's error.** Each phase ends with ``Communicator.everywhere``: a small
@@ -28,10 +28,16 @@ Notes:
 * **Why not torch.distributed.checkpoint.** DCP reshards on load too, but its metadata is a pickle
   (loading one runs code), it has no checksums, and it writes into the target directory in place.
   Our pieces are plain 1D ranges of flattened parameters, so the resharding is one intersection
-  (:meth:`Checkpoint.read`), and the files are safetensors that any tool reads.
+  (:meth:`zero.checkpoint.portable.reader.Checkpoint.read`), and the files are safetensors that any tool reads.
+
+The modules: ``save`` and ``load``; ``reader`` (:class:`zero.checkpoint.portable.reader.Checkpoint`, what opening
+one verifies); ``schema`` (``metadata.json``); ``tensorfile`` (the safetensors layout, a tensor at a time);
+``directory`` (where a checkpoint lives, the atomic replacement); ``tree`` (nested state as JSON); ``whole_state``
+(the state of parameters stepped whole); ``model_tensors`` (the model's tensors, and what the checkpoint reads of
+the optimizer).
 """
 
-from zero.checkpoint.load import load_checkpoint
-from zero.checkpoint.save import save_checkpoint
+from zero.checkpoint.portable.load import load_checkpoint
+from zero.checkpoint.portable.save import save_checkpoint
 
 __all__ = ["load_checkpoint", "save_checkpoint"]

@@ -1,11 +1,11 @@
-"""The portable checkpoint on disk: one directory, read back at any world size and stage.
+"""The portable checkpoint's reader (:class:`Checkpoint`): one directory, read back at any world size and stage.
 
 Layout (``zero.checkpoint/2``, and ``/3`` with several optimizers or whole-parameter ones)::
 
     CHECKPOINT/
       metadata.json                          what is where, the run that saved it, checksums
       metadata.json.sha256                   the SHA-256 of metadata.json (``sha256sum -c`` format)
-      part-00000-of-00003.safetensors        what rank 0 wrote (safetensors layout, ``zero.checkpoint.tensorfile``)
+      part-00000-of-00003.safetensors        what rank 0 wrote (safetensors layout: ``portable.tensorfile``)
       part-00001-of-00003.safetensors
       ...
 
@@ -17,18 +17,18 @@ state name: key}]``. A piece is what one rank owned when it saved (a chunk of a 
 each range a rank owns now, the intersecting ranges of the saved pieces: any world size, any stage.
 Tied parameters are stored once, under their first name, with their other names in ``aliases``.
 A parameter stepped whole (Muon, Adafactor, ...) keeps its values in pieces like any other, and its
-optimizer state whole, as its owner wrote it (``whole_state``: :mod:`zero.checkpoint.whole_state`),
+optimizer state whole, as its owner wrote it (``whole_state``: :mod:`zero.checkpoint.portable.whole_state`),
 read back by whichever rank owns it at load.
 
 **What opening one verifies** (:class:`Checkpoint`, before anything is allocated or loaded): the
 SHA-256 of ``metadata.json`` against ``metadata.json.sha256`` (another file: no single edit can
 change the metadata and its checksum together); the metadata against its schema
-(:mod:`zero.checkpoint.schema`: types, ranges, and every entry, piece and name consistent with
+(:mod:`zero.checkpoint.portable.schema`: types, ranges, and every entry, piece and name consistent with
 the others); each part's size against the recorded one; and each part's own safetensors header
 (itself checked against the SHA-256 written in it) against the metadata's entries, CRCs included.
 The bytes a load reads are then checked against their CRC-32s (:meth:`Checkpoint.verify`, or
 ``read(check=True)``). ``metadata.json`` is written last: a directory without it is an
-unfinished save (see :mod:`zero.checkpoint.directory`).
+unfinished save (see :mod:`zero.checkpoint.portable.directory`).
 
 File names come only from the schema's ``part-RRRRR-of-WWWWW.safetensors``, so nothing outside the
 directory is ever named. A part that is a symlink is followed: whoever can make links in the
@@ -49,10 +49,12 @@ from typing import Any, BinaryIO, Callable, Optional
 import torch
 from pydantic import ValidationError
 
-from zero.checkpoint import tensorfile, tree, whole_state
-from zero.checkpoint.directory import CHECKSUM, METADATA, resolve
-from zero.checkpoint.schema import FORMATS, CheckpointMetadata, TensorRecord, entries_of, summary
-from zero.checkpoint.tensorfile import numel_of
+import zero.checkpoint.portable.tensorfile as tensorfile
+import zero.checkpoint.portable.tree as tree
+import zero.checkpoint.portable.whole_state as whole_state
+from zero.checkpoint.portable.directory import CHECKSUM, METADATA, resolve
+from zero.checkpoint.portable.schema import FORMATS, CheckpointMetadata, TensorRecord, entries_of, summary
+from zero.checkpoint.portable.tensorfile import numel_of
 
 StateTarget = Callable[[str, torch.dtype], Optional[torch.Tensor]]  # (key, dtype) -> where to read it
 
@@ -192,11 +194,11 @@ class Checkpoint:
         return set() if record is None else {(record.file, key) for key in record.keys}
 
     def extra_keys(self) -> set[tuple[int, str]]:
-        """The ``(file, key)`` entries of the tensors set aside by :func:`zero.checkpoint.tree.encode`."""
+        """The ``(file, key)`` entries of the tensors set aside by :func:`zero.checkpoint.portable.tree.encode`."""
         return {(0, key) for key in self.entries[0] if key.startswith("x/")}
 
     def extra_tensor(self, index: int) -> torch.Tensor:
-        """The ``index``-th tensor set aside by :func:`zero.checkpoint.tree.encode` (in rank 0's file)."""
+        """The ``index``-th tensor set aside by :func:`zero.checkpoint.portable.tree.encode` (in rank 0's file)."""
         entry = self.entries[0][f"x/{index}"]
         return self._read(0, f"x/{index}", 0, entry.numel).reshape(entry.shape).clone()
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zero.checkpoint import shard_header
+from zero.checkpoint.shard import header as shard_header
 from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.runtime import Runtime
 

@@ -3,7 +3,7 @@
 Such an optimizer keeps its state in whatever form it likes: tensors in the parameter's shape (Muon's
 ``momentum_buffer``), of other shapes (Adafactor's ``row_var`` ``(m, 1)`` and ``col_var`` ``(1, n)``, SOAP's
 lists of factor matrices), Python numbers. The parameter's owner writes it as it is: the state dict as a JSON tree
-(:func:`zero.checkpoint.tree.encode`: dicts, lists, tuples, strings, numbers, ``None``; nothing pickled), each
+(:func:`zero.checkpoint.portable.tree.encode`: dicts, lists, tuples, strings, numbers, ``None``; nothing pickled), each
 tensor an entry ``o/NAME/PATH`` of the owner's part, named by its place in the tree (``o/h.0.weight/momentum_buffer``,
 ``o/h.0.weight/Q[1]``), its values in its shape, in row-major order as every entry. The tensor's ``metadata.json``
 record carries ``whole_state``: ``{"file", "keys", "tree", "layouts"}`` (the tree's ``{"__tensor__": i}`` is entry
@@ -12,7 +12,7 @@ eigenvector matrices are column-major, as ``torch.linalg.eigh`` returns them), i
 to the fastest: a load lays the tensor out again that way, since the optimizer's next matrix products round by
 the layout of their inputs, and resuming must compute what the run that never stopped computes. Whichever rank
 owns the parameter when the checkpoint is loaded, at any world size and stage, reads it back whole
-(:meth:`zero.checkpoint.files.Checkpoint.whole_state`, :func:`laid_out`).
+(:meth:`zero.checkpoint.portable.reader.Checkpoint.whole_state`, :func:`laid_out`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zero.checkpoint import tree
+import zero.checkpoint.portable.tree as tree
 
 PREFIX = "o/"
 

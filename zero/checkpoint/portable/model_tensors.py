@@ -1,17 +1,43 @@
 """The model's tensors as a portable checkpoint sees them (:mod:`zero.checkpoint.portable`): each ``state_dict``
-tensor once, managed in a bucket or kept whole, with its other names (tied parameters); shared by the save
-(:mod:`zero.checkpoint.save`) and the load (:mod:`zero.checkpoint.load`)."""
+tensor once, managed in a bucket or kept whole, with its other names (tied parameters); and what the checkpoint
+reads and calls of the ``ZeroOptimizer`` (:class:`Checkpointable`). Shared by the save
+(:mod:`zero.checkpoint.portable.save`) and the load (:mod:`zero.checkpoint.portable.load`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from zero.checkpoint import tensorfile
-from zero.optimizer import ZeroOptimizer
-from zero.runtime.buffers.bucket import ParamSlot
+import zero.checkpoint.portable.tensorfile as tensorfile
+from zero.comm.communicator import Communicator
+from zero.config import ZeroConfig
+from zero.runtime.buffers.bucket import Bucket, ParamSlot
+from zero.runtime.runtime import Runtime
+
+
+class Checkpointable(Protocol):
+    """What a portable checkpoint reads and calls of a :class:`zero.ZeroOptimizer` (the facade, :mod:`zero.optimizer`,
+    sits above the checkpoints and is not imported: it saves and loads its own per-rank shard through
+    :mod:`zero.checkpoint.shard`)."""
+
+    module: torch.nn.Module
+    config: ZeroConfig
+    runtime: Runtime
+    comm: Communicator
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def buckets(self) -> list[Bucket]: ...
+
+    @property
+    def loss_scaler(self) -> Any: ...
+
+    def prepare_for_checkpoint(self) -> None: ...
+
+    def finish_load(self, inner_state: dict[str, Any] | list[dict[str, Any]], loss_scale: dict[str, Any] | None,
+                    buckets: list[Bucket] | None = None) -> None: ...
 
 
 @dataclass
@@ -31,7 +57,8 @@ class ModelTensor:
         return bucket.master.dtype if bucket.trainable else bucket.shard.dtype
 
     def record(self) -> dict[str, Any]:
-        """Its ``tensors`` entry in the metadata (:class:`zero.checkpoint.schema.TensorRecord`), pieces to come."""
+        """Its ``tensors`` entry in the metadata (:class:`zero.checkpoint.portable.schema.TensorRecord`), pieces to
+        come."""
         trainable = self.slot is not None and self.slot.bucket.trainable
         return {
             "kind": self.kind, "shape": list(self.tensor.shape), "dtype": tensorfile.dtype_code(self.saved_dtype),
@@ -39,7 +66,7 @@ class ModelTensor:
         }
 
 
-def describe(model: torch.nn.Module, opt: ZeroOptimizer) -> tuple[list[ModelTensor], dict[str, str]]:
+def describe(model: torch.nn.Module, opt: Checkpointable) -> tuple[list[ModelTensor], dict[str, str]]:
     """The model's ``state_dict`` tensors by first name, and its other names (tied parameters): ``{alias: name}``."""
     slot_of = {id(s.param): s for b in opt.buckets for s in b.slots}
     params = {id(p) for p in model.parameters()}
@@ -62,8 +89,9 @@ def describe(model: torch.nn.Module, opt: ZeroOptimizer) -> tuple[list[ModelTens
     return model_tensors, aliases
 
 
-def checked(model: torch.nn.Module, optimizer: Any) -> ZeroOptimizer:
-    if not isinstance(optimizer, ZeroOptimizer):
+def checked(model: torch.nn.Module, optimizer: Any) -> Checkpointable:
+    """``optimizer``, if it is the ZeroOptimizer that trains ``model`` (known by its runtime)."""
+    if not isinstance(getattr(optimizer, "runtime", None), Runtime):
         raise ValueError(f"save_checkpoint/load_checkpoint take the ZeroOptimizer that trains the model, got a "
                          f"{type(optimizer).__name__}; wrap it in zero.ZeroOptimizer first")
     if optimizer.module is not model:

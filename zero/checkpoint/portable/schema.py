@@ -2,7 +2,7 @@
 pydantic. Format 2 is one elementwise optimizer's (its state per piece); format 3 adds ``optimizers`` (each wrapped
 optimizer's class, step path and number of param groups, :mod:`zero.checkpoint.optimizer_set`) and, for the
 parameters stepped whole, their state in the parameter's own shape (``whole_state``,
-:mod:`zero.checkpoint.whole_state`). A save writes format 2 whenever it can, so a checkpoint of one elementwise
+:mod:`zero.checkpoint.portable.whole_state`). A save writes format 2 whenever it can, so a checkpoint of one elementwise
 optimizer is the same as before format 3 existed.
 
 :class:`CheckpointMetadata` checks each field's type and range, and then that the fields agree with
@@ -21,7 +21,7 @@ one another, before anything is read from the parts or allocated:
 * tied names point at stored tensors, and every tensor that ``state`` refers to is stored.
 
 A :class:`pydantic.ValidationError` (a ``ValueError``) says which field is wrong;
-:func:`zero.checkpoint.files.read_metadata` turns it into one line naming the file.
+:func:`zero.checkpoint.portable.reader.read_metadata` turns it into one line naming the file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from zero.checkpoint.tensorfile import DTYPES, Entry, numel_of
+from zero.checkpoint.portable.tensorfile import DTYPES, Entry, numel_of
 
 FORMAT = "zero.checkpoint/2"  # one elementwise optimizer: what every save wrote before several optimizers
 OPTIMIZERS_FORMAT = "zero.checkpoint/3"  # several optimizers, or whole-parameter ones
@@ -69,7 +69,7 @@ class FileRecord(_Strict):
 
 class WholeState(_Strict):
     """The optimizer state of a parameter stepped whole: a JSON tree whose tensor ``i`` is entry ``keys[i]`` of
-    part ``file``, and the layout of those kept other than row-major (:mod:`zero.checkpoint.whole_state`)."""
+    part ``file``, and the layout of those kept other than row-major (:mod:`zero.checkpoint.portable.whole_state`)."""
 
     file: Count
     keys: list[str]
@@ -103,7 +103,8 @@ class OptimizerRecord(_Strict):
 
 
 class SavedState(_Strict):
-    """The trees :func:`zero.checkpoint.tree.encode` wrote (tensors stand for ``x/INDEX`` entries of part 0)."""
+    """The trees :func:`zero.checkpoint.portable.tree.encode` wrote (tensors stand for ``x/INDEX`` entries of
+    part 0)."""
 
     param_groups: list[dict[str, Any]]
     scheduler: Any
@@ -270,7 +271,7 @@ class CheckpointMetadata(_Strict):
 
 def _check_tree(value: Any, reference: Callable[[Any, str], None], path: str = "") -> None:
     """Every node of an encoded tree is well formed; ``reference(index, path)`` checks each tensor it refers to
-    (``path``: where it is in the tree, as :func:`zero.checkpoint.tree.encode` names it)."""
+    (``path``: where it is in the tree, as :func:`zero.checkpoint.portable.tree.encode` names it)."""
     if isinstance(value, list):
         for i, item in enumerate(value):
             _check_tree(item, reference, f"{path}[{i}]")
@@ -310,7 +311,7 @@ def _extra_tensor(entries: dict[str, Any], read: set[tuple[int, str]]) -> Callab
 
 
 def entries_of(file: FileRecord) -> dict[str, Entry]:
-    """A file's entries as :class:`zero.checkpoint.tensorfile.Entry`."""
+    """A file's entries as :class:`zero.checkpoint.portable.tensorfile.Entry`."""
     return {key: Entry(code, tuple(shape), offset, nbytes, crc)
             for key, (code, shape, offset, nbytes, crc) in file.entries.items()}
 

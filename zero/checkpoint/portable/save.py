@@ -11,14 +11,16 @@ from typing import Any, Callable
 
 import torch
 
-from zero.checkpoint import directory as checkpoint_directory
-from zero.checkpoint import optimizer_set, tensorfile, tree, whole_state
-from zero.checkpoint.model_tensors import ModelTensor, checked, describe
+import zero.checkpoint.portable.directory as checkpoint_directory
+import zero.checkpoint.portable.tensorfile as tensorfile
+import zero.checkpoint.portable.tree as tree
+import zero.checkpoint.portable.whole_state as whole_state
+from zero.checkpoint import optimizer_set
+from zero.checkpoint.portable.model_tensors import Checkpointable, ModelTensor, checked, describe
+from zero.checkpoint.portable.schema import FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
+from zero.checkpoint.portable.tensorfile import Spec
 from zero.checkpoint.progress import Progress, ProgressArg
-from zero.checkpoint.schema import FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
-from zero.checkpoint.tensorfile import Spec
 from zero.comm.communicator import Communicator
-from zero.optimizer import ZeroOptimizer
 from zero.runtime.buffers.bucket import Bucket
 from zero.version import __version__
 
@@ -26,7 +28,7 @@ from zero.version import __version__
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
-    optimizer: ZeroOptimizer,
+    optimizer: Checkpointable,
     *,
     scheduler: Any = None,
     extra: Any = None,
@@ -56,7 +58,7 @@ def save_checkpoint(
     return Path(replicas.everywhere(write, "saving the checkpoint in the first shard group", share=True)[0])
 
 
-def _save(path: str | os.PathLike, model: torch.nn.Module, opt: ZeroOptimizer, scheduler: Any, extra: Any,
+def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, scheduler: Any, extra: Any,
           progress: ProgressArg) -> Path:
     comm = opt.comm
     final = Path(path)
@@ -107,7 +109,7 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: ZeroOptimizer, s
 Write = tuple[Spec, Callable[[], torch.Tensor]]
 
 
-def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, Any]]:
+def _my_writes(opt: Checkpointable, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, Any]]:
     """What this rank writes: its chunk of each bucket it writes (values and the flat optimizer state, piece by
     piece), its share of the tensors kept whole, and the optimizer state of the whole parameters it writes; and
     where they go in the metadata: ``{"pieces": {tensor name: [[start, numel, value key, {state name: key}], ...]},
@@ -149,7 +151,7 @@ def _my_writes(opt: ZeroOptimizer, model_tensors: list[ModelTensor]) -> tuple[li
     return writes, {"pieces": pieces, "whole": whole}
 
 
-def _whole_states(opt: ZeroOptimizer) -> list[tuple[str, dict, torch.optim.Optimizer]]:
+def _whole_states(opt: Checkpointable) -> list[tuple[str, dict, torch.optim.Optimizer]]:
     """``(parameter name, optimizer state, optimizer)`` of each parameter stepped whole that this rank writes and
     that has state: its owner writes it, or with one shard (stage 0), where every rank owns every such parameter,
     rank ``i mod N`` the ``i``-th of them in model order."""
@@ -200,7 +202,7 @@ def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> str | None:
     return checkpoint_directory.publish(partial, final, text)
 
 
-def _hyperparameters(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+def _hyperparameters(opt: Checkpointable) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
 
 
