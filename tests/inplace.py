@@ -1,6 +1,7 @@
-"""Models whose forward modifies tensors in place, as torchvision's and many hand-written ones do: a ResNet of
-torchvision's ``BasicBlock`` (``ReLU(inplace=True)``, the residual ``out += identity``) and blocks whose forward
-starts by modifying its input in place (``F.relu(x, inplace=True)``, ``x.mul_(...)``, ``x += ...``)."""
+"""Models whose forward modifies tensors in place, as torchvision's and many hand-written ones do: ResNets of
+torchvision's ``BasicBlock`` (``ReLU(inplace=True)``, the residual ``out += identity``; a toy one and ``resnet18``'s
+layout) and blocks whose forward starts by modifying its input in place (``F.relu(x, inplace=True)``,
+``x.mul_(...)``, ``x += ...``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,32 @@ class TinyResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` written out at a width of choice: a 7x7 stride-2 stem (conv, bn,
+    ``ReLU(inplace=True)``), 3x3 stride-2 max pooling, four stages of two :class:`BasicBlock` (stages 2-4 with stride
+    2 and a downsample), average pooling and a linear head. Input ``(N, 3, 64, 64)`` at toy size. Not seeded."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        widths = [width, 2 * width, 4 * width, 8 * width]
+        stages, inplanes = [], width
+        for i, planes in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            stages.append(nn.Sequential(BasicBlock(inplanes, planes, stride), BasicBlock(planes, planes)))
+            inplanes = planes
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 

@@ -26,9 +26,11 @@ process held when the run started. The estimate must be within 5% of it, at ever
 1% with the quantized codecs (whose packets are 3-5% of the wide GPT's peak: leaving them out fails).
 Under mixed precision on CPU, PyTorch's bf16 matmuls allocate a buffer inside the kernel that fake tensors
 cannot see (measured: 0.3 MB in a 2.2 MB step of the small GPT, at ``aten::mm`` in backward), so there the
-estimate may fall up to 7% short; on a GPU cuBLAS keeps its workspace outside the tensors. Likewise the CPU's
-convolution backward allocates its columns inside the kernel (about 100 kB of the ResNet's 2.8 MB: estimate /
-measured 0.958-0.964 at every stage and world size).
+estimate may fall up to 7% short; on a GPU cuBLAS keeps its workspace outside the tensors. The CPU convolution's
+own allocations inside the kernel (oneDNN's blocked copies, GEMM workspaces, slow_conv2d's columns) are priced
+(``zero.estimator.workspaces``): the CNNs, the in-place ResNet and torchvision's resnet18 layout are within 2%
+(measured when written, world of 2: 0.9997-1.0000; before the pricing 0.958-0.964 for the ResNet, 0.73-0.90 for
+resnet18).
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def _world(worlds: dict[int, dict], world_size: int) -> dict:
 def test_every_estimate_is_within_five_percent_of_the_measured_peak(worlds, world_size):
     runs = _world(worlds, world_size)
     micros = MICRO_BATCHES if world_size == CONFIG_WORLD else MICRO_BATCHES[:1]  # (both at 2 ranks)
+    at_two = ("gpt6", "resnet18") if world_size != CONFIG_WORLD else ("gpt6",)  # (gpt6: its own cases below)
     expected = {key(name, stage, micro, {}) for name in MODELS for stage in STAGES for micro in micros
-                if (name not in PARTIAL or micro == MICRO_BATCHES[0]) and name != "gpt6"}
+                if (name not in PARTIAL or micro == MICRO_BATCHES[0]) and name not in at_two}
     expected |= {key("gpt", stage, MICRO_BATCHES[0], variant) for stage in STAGES for variant in VARIANTS}
     quantized = [{"communication": policy} for policy in COMMUNICATION]
     expected |= {key("gpt-wide", stage, MICRO_BATCHES[0], v) for v in quantized for stage in stages(v)}
@@ -172,3 +175,27 @@ def test_the_profiler_attributes_whole_parameter_state_to_the_optimizer(whole_ra
             assert seen["profiled"] == seen["held"] > 0, (world_size, rank, case, seen)
             assert {"optimizer_state/momentum_buffer", "optimizer_state/exp_avg"} <= set(seen["labels"]), seen
             assert seen["unexplained"] <= 1024, (world_size, rank, case, seen)
+
+
+# ----- issue 43: the CPU convolution's workspaces priced (zero.estimator.workspaces) ----------------------------------
+CONVOLUTIONAL = ("cnn", "resnet-inplace", "resnet18")
+
+
+# the workspaces were measured on AVX2 with oneDNN (zero.estimator.workspaces); on another CPU oneDNN picks other
+# kernels, and the estimate keeps the matrix's general 5%
+MEASURED_CPU = torch.backends.cpu.get_cpu_capability() == "AVX2" and torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("world_size", [2, 1, 3], ids=lambda n: f"world{n}")
+def test_convolutional_estimates_are_within_two_percent(worlds, world_size):
+    """The CNNs within 0.98-1.02 of the measured peak at every stage (fp32: oneDNN's blocked copies and, for
+    resnet18's 2 x 2 last stage, its GEMM weight gradient's per-thread copies, all inside the kernels; resnet18 at 2
+    ranks)."""
+    runs = _world(worlds, world_size)
+    cases = {case: run for case, run in runs.items() if case.split("/")[0] in CONVOLUTIONAL}
+    expected = set(CONVOLUTIONAL) if world_size == CONFIG_WORLD else set(CONVOLUTIONAL) - {"resnet18"}
+    assert {case.split("/")[0] for case in cases} == expected
+    assert {int(case.split("/")[1]) for case in cases} == set(STAGES)
+    low, high = (0.98, 1.02) if MEASURED_CPU else (0.95, 1.05)
+    for case, run in cases.items():
+        assert low <= run["estimated"] / run["measured"] <= high, (world_size, case, run)

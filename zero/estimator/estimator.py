@@ -18,9 +18,11 @@ by the memory tracker's categories with the phase, module and event where it hap
 Checked against ``zero.profile`` on the same configuration (``tests/distributed/test_estimate_world.py``):
 the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``, a CNN, at stages 0-3,
 world sizes 1-3 and two micro-batches, Muon with AdamW and Adafactor at stages 0-3 on every rank of worlds of 2
-and 3 (``estimate_world optimizers``), and a 1.1B GPT at stage 3 on 64 simulated ranks. What it
-cannot see: buffers that kernels allocate inside themselves (e.g. CPU bf16 matmuls), which fake
-tensors do not run, and those collectives allocate for themselves (NCCL's are outside PyTorch's
+and 3 (``estimate_world optimizers``), and a 1.1B GPT at stage 3 on 64 simulated ranks. It prices from the
+operator's shapes: the CPU convolution's own buffers (oneDNN's blocked copies and GEMM workspaces,
+slow_conv2d's columns: :mod:`zero.estimator.workspaces`). What it cannot see: what other kernels allocate inside
+themselves (e.g. CPU bf16 matmuls, oneDNN's smaller scratchpads), which fake tensors do not run, and what
+collectives allocate for themselves (NCCL's are outside PyTorch's
 allocator; gloo's are reported by the tracker as ``communication/collective internals``).
 
 Each estimate also carries one step's collectives under the configuration's ``communication`` policy (ZeRO++'s

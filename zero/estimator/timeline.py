@@ -15,6 +15,12 @@ and gradient arriving:
 * ``temporaries``: every other storage created since the step began (operator outputs and workspaces,
   the loss path's copies, a tied weight's gradient contributions being added, ...).
 
+What a kernel allocates inside itself and frees before it returns (the CPU convolution's blocked copies and
+unfolded columns) has no storage here: :mod:`zero.estimator.workspaces` prices it from the operator's arguments,
+and an operator it prices gets a point of its own just before its usual one, its workspace counted in
+``temporaries`` (the kernel's highest point). What it does not price (oneDNN's scratchpads, CUDA libraries'
+workspaces, operators not in its table) the estimate does not see.
+
 Parameters, buffers and the batch existed before and are not counted (the estimator prices them).
 The counts are kept incrementally (weak references on the storages): the same figures
 ``zero.profile`` reports at a sample, without walking every storage after every operator.
@@ -34,6 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zero.estimator.workspaces import workspace_bytes
 from zero.outputs import tensors_in
 from zero.runtime.gathering.post_backward import hook_input_gradients
 
@@ -140,12 +147,12 @@ class Recorder(TorchDispatchMode):
 
         self._refs.append(weakref.ref(storage, freed))
 
-    def point(self, kind: str, name: str, outputs: str = "") -> None:
+    def point(self, kind: str, name: str, outputs: str = "", workspace: int = 0) -> None:
         phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         module = self.stack[-1] if self.stack else (self.reached if phase == "backward" else "")
         t = self.totals
-        self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"], t["gradients"],
-                                 outputs))
+        self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"] + workspace,
+                                 t["gradients"], outputs))
 
     # ----- what autograd saves ------------------------------------------------------------------------
 
@@ -162,6 +169,9 @@ class Recorder(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._created(t)
+        workspace = workspace_bytes(func, args, kwargs, out)
+        if workspace is not None:  # inside the kernel: its outputs and its workspace (a point even at 0: traces align)
+            self.point("op", func.overloadpacket.__name__, workspace=workspace)
         self.point("op", func.overloadpacket.__name__)
         return out
 
