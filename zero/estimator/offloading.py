@@ -78,10 +78,6 @@ class OffloadChoice:
         device = torch.device("cpu")
         return Placements.of(self.policy(), device, lambda target: DevicePlacement(device, target.where))
 
-    def config(self) -> dict:
-        """``ZeroConfig(offload=...)``'s value (only what differs from the defaults)."""
-        return self.policy().model_dump(exclude_defaults=True)
-
 
 def host_bytes(plan: BucketPlan) -> int:
     """Bytes of the bucket's buffers the plan puts in host memory (pinned or not)."""

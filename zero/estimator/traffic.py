@@ -58,7 +58,6 @@ from pydantic import ValidationError
 
 from zero.comm.hierarchy import codec_of
 from zero.comm.policy import Communication
-from zero.config import ZeroConfig
 from zero.precision import DTYPES
 
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
@@ -151,15 +150,6 @@ def secondary_size(policy: Communication, world_size: int) -> int:
     return size if policy.hierarchy == "hpz" and 1 < size < world_size else 0
 
 
-def check_stage(policy: Communication, stage: int) -> None:
-    """Refuse a policy ``ZeroConfig`` does not run at ``stage``, with its own message (a ``ValueError``)."""
-    try:
-        ZeroConfig(stage=stage, communication=policy)
-    except ValidationError as err:
-        _raise_rule(err)
-        raise
-
-
 def _raise_rule(err: ValidationError) -> None:
     """Raise the ``ValueError`` of the model rule ``err`` reports (its own message, without pydantic's framing), if
     it reports one."""
@@ -172,7 +162,7 @@ def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...
     """The stages ``ZeroConfig`` runs ``policy`` at (qwZ: stage 3; qgZ and hierarchical sharding: stages 1-3)."""
     def runs(stage: int) -> bool:
         try:
-            check_stage(policy, stage)
+            policy.check_stage(stage)
         except ValueError:
             return False
         return True
