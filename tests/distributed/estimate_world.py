@@ -212,9 +212,9 @@ def main(world_size: int, only: str = "") -> None:
     micros = MICRO_BATCHES if world_size == CONFIG_WORLD else MICRO_BATCHES[:1]  # (4 is extrapolated: once is enough)
     runs = [(name, micro, {}) for name in MODELS for micro in micros if name not in (*PARTIAL, "gpt6")]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL if name != "resnet18" or world_size == CONFIG_WORLD]
-    runs += [("gpt", MICRO_BATCHES[0], variant) for variant in VARIANTS]
-    runs += [("gpt-wide", MICRO_BATCHES[0], {"communication": policy}) for policy in COMMUNICATION]
-    if world_size == CONFIG_WORLD:  # (the fields act alike at any world size; 3 minutes a world on 2 cores)
+    if world_size == CONFIG_WORLD:  # (precision, checkpointing, codecs and the fields act alike at any world size)
+        runs += [("gpt", MICRO_BATCHES[0], variant) for variant in VARIANTS]
+        runs += [("gpt-wide", MICRO_BATCHES[0], {"communication": policy}) for policy in COMMUNICATION]
         runs += [("gpt6", MICRO_BATCHES[0], variant) for variant in ({}, *CONFIG_FIELDS)]
     if world_size == HIERARCHICAL_WORLD:
         runs = [("gpt-wide", MICRO_BATCHES[0], variant) for variant in HIERARCHICAL]
