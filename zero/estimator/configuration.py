@@ -136,10 +136,16 @@ def priced_config(config: ZeroConfig | None = None, **settings: Any) -> ZeroConf
     try:
         return ZeroConfig(**fields)
     except ValidationError as err:
-        cause = (err.errors()[0].get("ctx") or {}).get("error")
-        if isinstance(cause, ValueError):  # (a rule's own message, without pydantic's framing)
-            raise ValueError(str(cause)) from None
+        raise_rule(err)
         raise ValueError(str(err)) from None
+
+
+def raise_rule(err: ValidationError) -> None:
+    """Raise the ``ValueError`` of the model rule ``err`` reports (its own message, without pydantic's framing), if
+    it reports one."""
+    cause = (err.errors()[0].get("ctx") or {}).get("error")
+    if isinstance(cause, ValueError):
+        raise ValueError(str(cause)) from None
 
 
 def precision_name(policy: MixedPrecision) -> str:

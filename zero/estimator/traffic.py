@@ -58,6 +58,7 @@ from pydantic import ValidationError
 
 from zero.comm.hierarchy import codec_of
 from zero.comm.policy import Communication
+from zero.estimator.configuration import raise_rule
 from zero.precision import DTYPES
 
 LEVELS = ("intra", "inter", "hpz")  # see the module docstring
@@ -129,7 +130,7 @@ def validated(communication: CommunicationArg) -> Communication:
     try:
         return Communication.model_validate(dict(communication or {}))
     except ValidationError as err:
-        _raise_rule(err)
+        raise_rule(err)
         raise
 
 
@@ -148,14 +149,6 @@ def secondary_size(policy: Communication, world_size: int) -> int:
     ``zero_hpz_partition_size=1`` is off)."""
     size = policy.group_size(world_size)
     return size if policy.hierarchy == "hpz" and 1 < size < world_size else 0
-
-
-def _raise_rule(err: ValidationError) -> None:
-    """Raise the ``ValueError`` of the model rule ``err`` reports (its own message, without pydantic's framing), if
-    it reports one."""
-    cause = (err.errors()[0].get("ctx") or {}).get("error")
-    if isinstance(cause, ValueError):
-        raise cause from None
 
 
 def stages_for(policy: Communication, stages: tuple[int, ...]) -> tuple[int, ...]:
