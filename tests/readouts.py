@@ -77,3 +77,18 @@ def profiled_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
             opt.step()
             opt.zero_grad()
     return prof
+
+
+def halfway_offload(workload, **kw) -> tuple[float, float]:
+    """A budget halfway between ``workload``'s estimated peak without offload and with full CPU offload (``kw``:
+    ``estimate``'s arguments, stage 1-3), and the least ``offload.ratio`` that fits it, as the planner and
+    ``offload.ratio="auto"`` choose it."""
+    from zero.estimator import estimate
+    from zero.estimator.partial_offload import least_offload, offload_boundaries
+
+    none, full = estimate(workload, **kw), estimate(workload, offload="cpu", **kw)
+    budget = (none.peak + full.peak) / 2
+    layout = workload.layout(kw["stage"], kw["world_size"], bucket_size_mb=kw.get("bucket_size_mb", 25))
+    ratio = least_offload(lambda r: estimate(workload, offload="cpu", offload_ratio=r, **kw),
+                          offload_boundaries(layout), full, budget).offload_ratio
+    return budget, ratio

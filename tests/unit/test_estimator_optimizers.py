@@ -14,12 +14,11 @@ import pytest
 import torch
 
 import zero
-from tests.readouts import flat_params
+from tests.readouts import flat_params, halfway_offload
 from zero import ZeroOptimizer
 from zero.cli.main import main as cli_main
 from zero.estimator import Workload, estimate, plan
 from zero.estimator.optimizers import _flat_state_by_shard
-from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.models import GPT, GPTConfig, synthetic_batch
 from zero.runtime.buffers.layout import plan_buckets
 
@@ -232,11 +231,7 @@ def test_auto_ratio_prices_a_list_of_optimizers_and_whole_ones(optimizers):
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=4, num_heads=2)
     workload = _workload(make, cfg)
     kw = dict(stage=2, world_size=1, micro_batch=2, bucket_size_mb=0.05)
-    none, full = estimate(workload, **kw).peak, estimate(workload, offload="cpu", **kw).peak
-    budget = (none + full) / 2
-    expected = least_offload(lambda r: estimate(workload, offload="cpu", offload_ratio=r, **kw),
-                             offload_boundaries(workload.layout(2, 1, bucket_size_mb=0.05)),
-                             estimate(workload, offload="cpu", **kw), budget).offload_ratio
+    budget, expected = halfway_offload(workload, **kw)
     assert 0 < expected < 1
     x, y = synthetic_batch(0, 2, cfg)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zero
-from tests.readouts import flat_params
+from tests.readouts import flat_params, halfway_offload
 from tests.toy import Net, train_net
 from zero import ZeroConfig, ZeroOptimizer
 from zero.estimator import Workload, estimate
@@ -144,13 +144,7 @@ def test_auto_picks_at_construction_what_the_planner_picks():
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=4, num_heads=2)
     workload = Workload(lambda: GPT(cfg), lambda m, x, y: m.loss(x, y), lambda n: synthetic_batch(0, n, cfg))
     kw = dict(stage=2, world_size=1, micro_batch=2, bucket_size_mb=0.05)
-    none, full = estimate(workload, **kw).peak, estimate(workload, offload="cpu", **kw).peak
-    budget = (none + full) / 2
-    from zero.estimator.partial_offload import least_offload, offload_boundaries
-
-    expected = least_offload(lambda r: estimate(workload, offload="cpu", offload_ratio=r, **kw),
-                             offload_boundaries(workload.layout(2, 1, bucket_size_mb=0.05)),
-                             estimate(workload, offload="cpu", **kw), budget).offload_ratio
+    budget, expected = halfway_offload(workload, **kw)
     assert 0 < expected < 1
     x, y = synthetic_batch(0, 2, cfg)
 
