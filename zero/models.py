@@ -104,3 +104,105 @@ def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
         raise ValueError(f"global batch {batch.shape[0]} does not split evenly over {world_size} ranks")
     per_rank = batch.shape[0] // world_size
     return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style GPT (separate q/k/v projections, no position embedding) that torch's tensor parallelism splits
+    by heads; ``qk_norm``: a norm over each head's queries and keys (Qwen3's)."""
+
+    vocab_size: int = 256
+    seq_len: int = 32
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    qk_norm: bool = False
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.num_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
+        self.q_norm = nn.LayerNorm(self.head_dim) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # heads: -1, so that a tp rank holding some of them computes those
+        q = self.q_norm(self.wq(x).view(b, t, -1, self.head_dim))
+        k = self.k_norm(self.wk(x).view(b, t, -1, self.head_dim))
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(cfg.d_model)
+        self.attention = LlamaAttention(cfg)
+        self.ffn_norm = nn.LayerNorm(cfg.d_model)
+        self.feed_forward = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
+                                          nn.Linear(4 * cfg.d_model, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LlamaGPT(nn.Module):
+    """Token embedding, pre-norm :class:`LlamaBlock` s, a final norm and an untied output head."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(init_gpt_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
+
+
+def tensor_parallel_plan(model: LlamaGPT, sequence_parallel: bool, qk_norm_declared: bool = True) -> dict:
+    """torch's parallel styles for :class:`LlamaGPT` (``parallelize_module(model, mesh["tp"], plan)``): attention by
+    heads and the MLP by its hidden units; with ``sequence_parallel``, torchtitan's Llama plan (the embedding row-wise
+    to sequence shards, the norms ``SequenceParallel``, the blocks' inputs gathered by ``PrepareModuleInput``).
+    ``qk_norm_declared``: per-head q/k norms ``SequenceParallel`` over the head dimension (their weights replicated
+    DTensors whose gradients torch sums over tp); else left plain parameters."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    out = Shard(1) if sequence_parallel else Replicate()
+    plan: dict = {}
+    if sequence_parallel:
+        plan |= {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                 "norm": SequenceParallel(),
+                 "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(len(model.layers)):
+        at = f"layers.{i}."
+        plan |= {at + name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv",
+                                                            "feed_forward.0")}
+        plan |= {at + "attention.wo": RowwiseParallel(output_layouts=out),
+                 at + "feed_forward.2": RowwiseParallel(output_layouts=out)}
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan |= {at + "attention_norm": SequenceParallel(), at + "ffn_norm": SequenceParallel(),
+                     at + "attention": gather, at + "feed_forward": gather}
+        if model.cfg.qk_norm and qk_norm_declared:
+            plan |= {at + f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for n in ("q_norm", "k_norm")}
+    return plan

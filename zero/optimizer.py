@@ -9,9 +9,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from zero.auto_ratio import StepExample, resolve_config
 from zero.checkpoint.shard import state as shard_state
+from zero.comm.groups import data_parallel_group
 from zero.config import ZeroConfig
 from zero.memory import MemoryItem, ModelStateBytes
 from zero.runtime import owned_memory, whole_parameters
@@ -55,8 +57,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             parameters at stages 0-2 (stage 3 shards them too, gathered with their unit).
         config: a :class:`ZeroConfig`; keyword ``overrides`` (``stage=2``, ``bucket_size_mb=...``)
             are applied on top of it.
-        process_group: the data-parallel group; defaults to the default group if one is
-            initialized, else runs as world size 1.
+        process_group, mesh: the data-parallel group, or a mesh's dp dimension (``mesh["dp"]``; tensor parallelism:
+            docs/parallelism.md); default: the default group if one is initialized, else a world of one.
         init_fn, device: for a model built on ``meta`` (stage 3; see :func:`init_sharded`).
         example: with ``offload.ratio="auto"``, a :class:`zero.StepExample` (the loss and a micro-batch) with which
             the estimator picks the ratio (:mod:`zero.auto_ratio`).
@@ -69,6 +71,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         config: ZeroConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
         init_fn: InitFn | None = None,
         device: torch.device | str | None = None,
         example: StepExample | None = None,
@@ -76,6 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ):
         if isinstance(optimizer, ZeroOptimizer):
             raise ValueError("this optimizer is already a ZeroOptimizer; wrap the plain torch.optim optimizer once")
+        process_group = data_parallel_group(process_group, mesh)
         self.config = resolve_config(config, overrides, optimizer, model, example, process_group, device)
         runtime = build_runtime(optimizer, model, self.config, process_group=process_group, init_fn=init_fn,
                                 device=device)
@@ -136,10 +140,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         first, as in ``torch.optim``; other keyword arguments go to the wrapped optimizer's ``step``. With no
         gradient since :meth:`zero_grad`, nothing is updated (torch's optimizers skip ``p.grad is None``)."""
         self.runtime.check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self.runtime.step(kwargs)
         return loss
 
@@ -171,9 +173,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if "runtime" in self.__dict__:
-            raise NotImplementedError("ZeroOptimizer cannot add parameter groups after construction; add the group "
-                                      "to the optimizer before wrapping it")
+        if "runtime" in self.__dict__:  # (called by torch.optim.Optimizer.__init__ first)
+            raise NotImplementedError("add parameter groups to the optimizer before wrapping it, not to ZeroOptimizer")
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
@@ -195,8 +196,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def finish_load(self, inner_state: dict[str, Any] | list[dict[str, Any]], loss_scale: dict[str, Any] | None,
                     buckets: list[Bucket] | None = None) -> None:
         """After this rank's masters or shards were written: load the wrapped optimizers' state (a ``torch.optim``
-        state dict over this rank's share, or a list, one per optimizer), then cast and share the parameters of
-        ``buckets`` (default: every trainable bucket)."""
+        state dict over this rank's share, or one per optimizer), then cast and share ``buckets`` (default: all)."""
         shard_state.finish_load(self.runtime, inner_state, loss_scale, buckets)
         self.param_groups, self.state = [g for o in self.optimizers for g in o.param_groups], _state_of(self.optimizers)
 

@@ -51,3 +51,18 @@ def check_launcher_world() -> None:
             "torch.distributed.init_process_group(), so every rank would train its own unrelated model. "
             "Call torch.distributed.init_process_group() before building the ZeroOptimizer, or pass process_group=."
         )
+
+
+def data_parallel_group(group: dist.ProcessGroup | None, mesh: object | None) -> dist.ProcessGroup | None:
+    """The data-parallel group, given as a process group or as FSDP2 spells it, a 1-D ``DeviceMesh``
+    (``mesh=mesh["dp"]``); not both."""
+    if mesh is None:
+        return group
+    if group is not None:
+        raise ValueError("pass the data-parallel ranks once: process_group=... or mesh=..., not both")
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError(
+            f"mesh must be the 1-D data-parallel dimension of a device mesh (mesh['dp']), got {mesh}; zero shards "
+            "over it, and finds the tensor-parallel dimension from the model's DTensor parameters"
+        )
+    return mesh.get_group()

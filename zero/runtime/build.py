@@ -23,6 +23,7 @@ from zero.comm.hierarchy import codec_of, hierarchical
 from zero.config import ZeroConfig
 from zero.precision import DTYPES
 from zero.runtime.activations.checkpointing import checkpoint_activations
+from zero.runtime.buffers.local_tensor import local_of
 from zero.runtime.buffers.partition import Partition, build_partition
 from zero.runtime.buffers.placement import Placements
 from zero.runtime.buffers.units import plan_units
@@ -43,6 +44,7 @@ from zero.runtime.precision.parameters import (
     full_precision_parameters,
 )
 from zero.runtime.reduction.reducer import GradReducer
+from zero.runtime.reduction.tensor_parallel import NoTensorParallel, tensor_parallel_of
 from zero.runtime.runtime import Runtime
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.step.delayed import DelayedStep
@@ -84,6 +86,8 @@ def build_runtime(
         process_group, config.timeout_s, device=model_device(model, device), force_collectives=config.force_collectives
     )
     comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
+    tensor_parallel = tensor_parallel_of(model, world, config.timeout_s)  # (a model split by parallelize_module)
+    _check_tensor_parallel_supported(tensor_parallel, optimizers, whole, config, comm.replicas or secondary)
     for communicator in (comm, *comm.levels.values()):
         communicator.codec = codec_of(config.communication)
     gather_dropped_shards(model)  # what a dropped stage-3 optimizer left sharded (zero.runtime.gathering.release)
@@ -138,6 +142,7 @@ def build_runtime(
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
         gatherer=_gatherer(partition, stage, comm, config, secondary),
         paging=paging,
+        tensor_parallel=tensor_parallel,
         checkpointed=checkpoint_activations(model, policy) if policy is not None else None,
     )
     runtime.reducer = GradReducer(
@@ -149,6 +154,7 @@ def build_runtime(
         check=weak_hook(runtime.before_backward),
         steps=weak_hook(runtime.steps_taken),
         scaler=runtime.scaler,
+        tensor_parallel=tensor_parallel,
     )
     hooks = [*runtime.reducer.hooks, *runtime.gatherer.hooks, *_input_casts(runtime, partition)]
     first_forward = torch.compiler.disable(weak_hook(runtime.before_first_forward))  # (it reads the call stack)
@@ -178,6 +184,24 @@ def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[
     if config.offload.pages:
         raise ValueError(f"offload to disk pages one elementwise optimizer's per-element state through the file; "
                          f"with {what} offload to 'cpu' instead")
+
+
+def _check_tensor_parallel_supported(tensor_parallel: NoTensorParallel, optimizers: list[torch.optim.Optimizer],
+                                     whole: list[bool], config: ZeroConfig, levels: Communicator | None) -> None:
+    """With a tensor-parallel model: refuse by name what does not compose with tp yet."""
+    if tensor_parallel.size == 1:
+        return
+    refused = [f"{type(o).__name__} (stepped on whole parameters: Newton-Schulz or factored statistics on a tp "
+               "shard would be a different update)" for o, w in zip(optimizers, whole) if w]
+    refused += ["mixed precision (precision.param_dtype: a DTensor parameter's dtype is fixed where it was made, "
+                "so its low-precision copy would need a DTensor of its own)" if config.precision.enabled else None,
+                "offload to disk" if config.offload.pages else None,
+                "hierarchical communication (HSDP, hpZ)" if levels is not None else None]
+    refused = [r for r in refused if r]
+    if refused:
+        raise ValueError(f"zero does not yet compose tensor parallelism with {refused[0]}; with a model split by "
+                         "parallelize_module, use an elementwise optimizer (AdamW, Adam, SGD), offload to 'cpu' at "
+                         "most, and flat communication (docs/parallelism.md)")
 
 
 def _host_threads(config: ZeroConfig, comm: Communicator) -> int | None:
@@ -215,7 +239,8 @@ def _build_partition(
     paged, with the optimizer's per-element ``state``, that its placement has room for the plan: the disk's)."""
     precision, offload = config.precision, config.offload
     num_shards = stage.num_shards(comm.world_size)
-    trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    trainable = sum(local_of(p).local(p).numel()  # (a DTensor's: what this rank holds)
+                    for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
     param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
     check_host_memory(offload, int(-(-trainable // num_shards) * offload.ratio), param_bytes)
     full = _full_precision(model, config)
@@ -280,7 +305,7 @@ def _broadcast_module_states(model: torch.nn.Module, comm: Communicator, skip: s
     params = [p for p in model.parameters() if not managed_elsewhere(p)]  # (broadcast by their owner)
     tensors = [t for t in [*params, *model.buffers()] if t not in skip and not t.is_meta]
     what = "broadcast of rank 0's module states"
-    for handle in [comm.broadcast(t.data, 0, what=what) for t in tensors]:
+    for handle in [comm.broadcast(local_of(t).local(t).data, 0, what=what) for t in tensors]:
         handle.wait()
 
 

@@ -30,6 +30,7 @@ from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
+from zero.runtime.reduction.tensor_parallel import NoTensorParallel
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.inner import Inner
@@ -56,6 +57,7 @@ class Runtime:
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer
     paging: Resident  # how passes over the optimizer side walk the buckets (WindowPaging: through host memory)
+    tensor_parallel: NoTensorParallel  # the model's tp dimension (zero.runtime.reduction.tensor_parallel)
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)
@@ -166,22 +168,37 @@ class Runtime:
         for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
             pieces = self.used_pieces(bucket)
             norms.update(zip(map(id, pieces), tensor_norms([bucket.grad_piece(p) for p in pieces], norm_type)))
-        in_order = [norms[id(p)] for p in self.pieces_in_model_order if p.slot.used_anywhere]
-        total = total_norm(in_order, norm_type, self.comm.device)  # offload: computed on the host, moved
-        if self.stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives:
-            what = "all-reduce of the gradient norm"
-            if norm_type == math.inf:
-                self.comm.all_reduce(total, op="max", what=what).wait()
-            else:
-                partial = total.to(torch.float64).pow(norm_type)
-                self.comm.all_reduce(partial, what=what).wait()
-                total = partial.pow(1.0 / norm_type).to(torch.float32)
+        used = [p for p in self.pieces_in_model_order if p.slot.used_anywhere]
+        if self.tensor_parallel.size == 1:
+            total = total_norm([norms[id(p)] for p in used], norm_type, self.comm.device)  # offload: on the host
+            total = self._norm_over_dp(total, norm_type)
+        else:  # tp-sharded pieces and replicated ones apart: the first add up over tp, the second count once
+            kinds = [[norms[id(p)] for p in used if p.slot.local.tp_sharded == sharded] for sharded in (True, False)]
+            partial = self._norm_over_dp(torch.stack([total_norm(k, norm_type, self.comm.device) for k in kinds]),
+                                         norm_type, partial=True)
+            total = self.tensor_parallel.total_norm(partial[:1], partial[1:], norm_type)[0]
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
             scale_([bucket.grad_piece(p) for p in self.used_pieces(bucket)], coef)
         return total
+
+    def _norm_over_dp(self, norm: torch.Tensor, norm_type: float, partial: bool = False) -> torch.Tensor:
+        """This rank's ``norm`` of its shards made the norm over every dp rank's (one small all-reduce when the
+        gradients are sharded); ``partial``: left as the sum of ``norm ** p`` (fp64; the maximum for the inf-norm)."""
+        reduced = self.stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives
+        what = "all-reduce of the gradient norm"
+        if norm_type == math.inf:
+            if reduced:
+                self.comm.all_reduce(norm, op="max", what=what).wait()
+            return norm.to(torch.float64) if partial else norm
+        if not reduced and not partial:
+            return norm
+        powered = norm.to(torch.float64).pow(norm_type)
+        if reduced:
+            self.comm.all_reduce(powered, what=what).wait()
+        return powered if partial else powered.pow(1.0 / norm_type).to(torch.float32)
 
     @staticmethod
     def used_pieces(bucket: Bucket) -> list[LocalPiece]:

@@ -73,13 +73,13 @@ def _gathered_on_host(runtime: Runtime, units: list, modifier_rank: int | None) 
         wholes[bucket] = bucket.param_buffer.data.to(HOST, copy=True)
         bucket.param_buffer.free()
         for slot in bucket.slots:
-            views.append((slot, wholes[bucket].narrow(0, slot.span.offset, slot.span.numel).view(slot.param.shape)))
+            views.append((slot, wholes[bucket].narrow(0, slot.span.offset, slot.span.numel).view(slot.shape)))
             set_data(slot.param, views[-1][1], sharded=False)
     try:
         yield
     finally:
         for slot, view in views:  # an edit that replaced .data (model.to(), a cast) would be lost: refuse it
-            if slot.param.data_ptr() != view.data_ptr():
+            if slot.tensor.data_ptr() != view.data_ptr():
                 raise ValueError(cast_after_wrapping(slot.name))
         for bucket in buckets:
             whole = wholes[bucket]

@@ -29,6 +29,7 @@ import torch
 from zero.memory import MemoryItem
 from zero.runtime.buffers.flat_buffer import FlatBuffer
 from zero.runtime.buffers.layout import ParamSpan, Piece
+from zero.runtime.buffers.local_tensor import PlainLocal, TensorParallelLocal
 from zero.runtime.buffers.placement import DevicePlacement, Placements
 from zero.runtime.buffers.plan import BucketPlan, Role
 from zero.runtime.buffers.sharded_param import cast_after_wrapping
@@ -52,10 +53,31 @@ class ParamSlot:
     used_here: bool = False  # got a gradient on this rank since the last zero_grad(set_to_none=True)
     used_anywhere: bool = False  # ... on any rank, as of the last reduction (p.grad defined in PyTorch terms)
     ready: bool = False  # handed in its gradient in the current backward pass
+    local: PlainLocal | TensorParallelLocal = PlainLocal()  # how to reach its local tensor (a DTensor's: tp)
 
     @property
     def bucket(self) -> "Bucket":
         return self.bucket_ref()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The tensor whose ``.data`` is managed: the parameter itself, or its local tensor under tensor parallelism
+        (``zero.runtime.buffers.local_tensor``)."""
+        return self.local.local(self.param)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The local tensor's shape (what the flat buffers hold of the parameter on this rank)."""
+        return self.tensor.shape
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The local tensor of ``p.grad`` (``None`` without one)."""
+        return self.local.local_grad(self.param.grad)
+
+    @grad.setter
+    def grad(self, local: torch.Tensor | None) -> None:
+        self.param.grad = self.local.param_grad(local)
 
     @property
     def has_grad(self) -> bool:
@@ -131,7 +153,7 @@ class Bucket:
         if released:
             self.param_buffer.allocate(zero=False)
         for slot in self.slots:
-            slot.view = self.param_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
+            slot.view = self.param_buffer.view(slot.span.offset, slot.span.numel, slot.shape)
         if released:
             self.param_buffer.free()
 
@@ -141,10 +163,11 @@ class Bucket:
         self.make_views()
         with torch.no_grad():
             for slot in self.slots:
+                tensor = slot.tensor
                 if self.master_buffer is not None:
-                    self.copy_to_shard(slot, slot.param.data)
-                slot.view.copy_(slot.param.data)
-                slot.param.data = slot.view
+                    self.copy_to_shard(slot, tensor.data)
+                slot.view.copy_(tensor.data)
+                tensor.data = slot.view
 
     def build_pieces(self) -> None:
         """Create the inner optimizer's tensors: views of the master chunk (none in a frozen bucket)."""
@@ -254,12 +277,12 @@ class Bucket:
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         """The slot's local gradient inside ``grad_buffer``, shaped like the parameter (stages 0-1)."""
         assert self.grad_buffer is not None
-        return self.grad_buffer.view(slot.span.offset, slot.span.numel, slot.param.shape)
+        return self.grad_buffer.view(slot.span.offset, slot.span.numel, slot.shape)
 
     def staging_view(self, slot: ParamSlot) -> torch.Tensor:
         """The slot's span of ``staging``, shaped like the parameter."""
         assert self.staging is not None
-        return self.staging.view(slot.span.offset, slot.span.numel, slot.param.shape)
+        return self.staging.view(slot.span.offset, slot.span.numel, slot.shape)
 
     @property
     def step_grads(self) -> torch.Tensor:
@@ -283,7 +306,7 @@ class Bucket:
         (its values are in ``param_buffer``), also if its ``.data`` no longer views the buffer."""
         buffer = self.param_buffer.storage_tensor  # (dtype and device only)
         for slot in self.slots:
-            p = slot.param
+            p = slot.tensor
             if (p.dtype, p.device) != (buffer.dtype, buffer.device) or (whole and p.data_ptr() != slot.view.data_ptr()):
                 raise ValueError(cast_after_wrapping(slot.name))
 
@@ -319,7 +342,7 @@ class Bucket:
         if self.grad_shard_buffer is None and self.grad_buffer is not None:  # a view of the gradient buffer
             yield "gradients", MemoryItem("gradients", "shard", self.grad_shard, module)
         for slot in self.slots:
-            grad = slot.param.grad
+            grad = slot.grad
             if grad is not None:  # stages 2-3: autograd's gradient, not yet staged; or a guard
                 label = "placeholder" if grad is slot.grad_guard else "whole"
                 yield "gradients", MemoryItem("gradients", label, grad, module)

@@ -16,6 +16,7 @@ import torch
 from zero.precision import BufferDtypes
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.buffers.layout import plan_buckets
+from zero.runtime.buffers.local_tensor import local_of
 from zero.runtime.buffers.placement import DevicePlacement, Placements
 from zero.runtime.buffers.plan import StagePlan, StagePolicy, plan_bucket
 from zero.runtime.buffers.units import UnitSpec
@@ -111,14 +112,16 @@ def build_partition(
                          key=lambda p: -order[p])
     if not any(p.requires_grad for p in packed):
         raise ValueError("the optimizer holds no parameter with requires_grad=True: there is nothing to train")
+    locals_ = {p: local_of(p) for p in packed}  # what this rank holds of each (a DTensor's local tensor)
+    numel = {p: locals_[p].local(p).numel() for p in packed}
     for p in packed:
         if p.layout != torch.strided:
             raise ValueError(f"parameter {names[p]!r} has layout {p.layout}; ZeRO packs dense (strided) parameters")
-        if p.numel() == 0:
+        if numel[p] == 0:
             raise ValueError(
-                f"parameter {names[p]!r} has no elements, so there is nothing of it to shard. Keep it out of the "
-                "optimizer (and, at stage 3, which packs every frozen parameter of the model, out of the model: "
-                "a buffer), or give it a size."
+                f"parameter {names[p]!r} has no elements on this rank, so there is nothing of it to shard. Keep it "
+                "out of the optimizer (and, at stage 3, which packs every frozen parameter of the model, out of the "
+                "model: a buffer), or give it a size."
             )
 
     def device_of(p: torch.nn.Parameter) -> torch.device:
@@ -133,11 +136,11 @@ def build_partition(
     unit_of = {p: i for i, unit in enumerate(units) for p in unit.params}
     if units:  # trainable buckets first, in unit order (the reducer launches them in this order)
         packed.sort(key=lambda p: (not p.requires_grad, unit_of[p], -order[p]))
-        bucket_cap = sum(p.numel() for p in packed)  # one bucket per unit (and dtype)
+        bucket_cap = sum(numel.values())  # one bucket per unit (and dtype)
     else:
         bucket_cap = max(1, bucket_size_bytes // max(dtypes_of(p).compute.itemsize for p in packed))
     layouts = plan_buckets(
-        [p.numel() for p in packed],
+        [numel[p] for p in packed],
         [(p.dtype, dtypes_of(p), device_of(p), unit_of.get(p), p.requires_grad) for p in packed],
         bucket_cap=bucket_cap,
         num_shards=policy.num_shards,
@@ -157,6 +160,7 @@ def build_partition(
         bucket.unit = units[unit_of[first]] if units else None
         for span in bucket_plan.layout.spans:
             p = packed[span.param_index]
-            bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p]))
+            bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p],
+                                 local=locals_[p]))
         buckets.append(bucket)
     return Partition(buckets, frozen, units, stage_plan)

@@ -83,10 +83,10 @@ def _flat(args, kwargs):
             yield arg
 
 
-def sharded_grad(param: torch.Tensor, name: str, reason: str, base: torch.Tensor) -> ShardedGrad:
-    """A guard for ``param.grad``: ``base`` (a one-element tensor of its dtype and device) expanded to its
-    shape; ``reason`` completes "the reduced gradient of <name> ..." in its errors."""
-    guard = torch.Tensor._make_subclass(ShardedGrad, base.expand(param.shape), False)
+def sharded_grad(shape: torch.Size, name: str, reason: str, base: torch.Tensor) -> ShardedGrad:
+    """A guard for a parameter's gradient of ``shape`` (its local tensor's): ``base`` (a one-element tensor of its
+    dtype and device) expanded to it; ``reason`` completes "the reduced gradient of <name> ..." in its errors."""
+    guard = torch.Tensor._make_subclass(ShardedGrad, base.expand(shape), False)
     guard._zero_name = name
     guard._zero_reason = reason
     return guard

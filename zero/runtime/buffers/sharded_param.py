@@ -10,12 +10,15 @@ backward pass sees are whatever is gathered when it runs.
 The parameter's class becomes :class:`ZeroParameter`, whose ``__torch_function__`` turns
 any use of a *sharded* parameter (an op, ``.data``, printing, ``state_dict``) into an error
 that names it and says how to gather it; shape, dtype, device and hook queries stay allowed.
+A tensor-parallel parameter (a ``DTensor``) becomes a :class:`ZeroDTensorParameter` with the same guard, and what
+moves is its local tensor's ``.data`` (``zero.runtime.buffers.local_tensor``); its placements stay as they were.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zero.runtime.guards.ddp import refuse_if_ddp_is_building
 
@@ -63,36 +66,55 @@ def convert_or_refuse(func, args, kwargs, message: str):
     raise RuntimeError(message)
 
 
+def _guarded(cls, func, types, args=(), kwargs=None):
+    """The ``__torch_function__`` of a managed stage-3 parameter (see the module docstring)."""
+    kwargs = kwargs or {}
+    if func in (torch.Tensor.__repr__, torch.Tensor.__format__) and args[0]._zero_sharded:
+        p = args[0]  # say what it is (never the placeholder's values, never an error in a debugger)
+        return f"{type(p).__name__}({p._zero_name!r}, shape={tuple(p.shape)}, dtype={p.dtype}, sharded)"
+    if args and is_sharded(args[0]) and is_conversion(func):
+        return convert_or_refuse(func, args, kwargs, cast_after_wrapping(args[0]._zero_name))
+    for arg in (*args, *kwargs.values()):
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if is_sharded(item):
+                _refuse(item, func)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _no_deepcopy(self, memo):
+    raise RuntimeError(
+        f"zero: cannot deep-copy parameter {self._zero_name!r}: it is managed by a stage-3 ZeroOptimizer "
+        "(a copy would share its hooks and hold no values of its own). For a copy of the model (e.g. an "
+        "EMA), build a new one and load `model.state_dict()` taken inside `opt.gathered_parameters()`."
+    )
+
+
 class ZeroParameter(nn.Parameter):
     """A parameter managed by a stage-3 :class:`~zero.ZeroOptimizer` (see the module docstring)."""
 
     _zero_name: str = "?"
     _zero_sharded: bool = False
+    __deepcopy__ = _no_deepcopy
+    __torch_function__ = classmethod(_guarded)
 
-    def __deepcopy__(self, memo):
-        raise RuntimeError(
-            f"zero: cannot deep-copy parameter {self._zero_name!r}: it is managed by a stage-3 ZeroOptimizer "
-            "(a copy would share its hooks and hold no values of its own). For a copy of the model (e.g. an "
-            "EMA), build a new one and load `model.state_dict()` taken inside `opt.gathered_parameters()`."
-        )
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.__repr__, torch.Tensor.__format__) and args[0]._zero_sharded:
-            p = args[0]  # say what it is (never the placeholder's values, never an error in a debugger)
-            return f"ZeroParameter({p._zero_name!r}, shape={tuple(p.shape)}, dtype={p.dtype}, sharded)"
-        if args and type(args[0]) is ZeroParameter and args[0]._zero_sharded and is_conversion(func):
-            return convert_or_refuse(func, args, kwargs, cast_after_wrapping(args[0]._zero_name))
-        for arg in (*args, *kwargs.values()):
-            if isinstance(arg, (list, tuple)):
-                for item in arg:
-                    if type(item) is ZeroParameter and item._zero_sharded:
-                        _refuse(item, func)
-            elif type(arg) is ZeroParameter and arg._zero_sharded:
-                _refuse(arg, func)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+class ZeroDTensorParameter(DTensor):
+    """A tensor-parallel (DTensor) parameter managed by a stage-3 :class:`~zero.ZeroOptimizer`: the DTensor, guarded
+    like :class:`ZeroParameter` (DTensor's own dispatch runs every allowed use)."""
+
+    _zero_name: str = "?"
+    _zero_sharded: bool = False
+    __deepcopy__ = _no_deepcopy
+    __torch_function__ = classmethod(_guarded)
+
+
+_MANAGED = {nn.Parameter: ZeroParameter, DTensor: ZeroDTensorParameter}  # a parameter's class -> its managed class
+
+
+def is_sharded(t: object) -> bool:
+    """Whether ``t`` is a managed stage-3 parameter that is sharded now."""
+    return type(t) in (ZeroParameter, ZeroDTensorParameter) and t._zero_sharded
 
 
 def _refuse(param: ZeroParameter, func) -> None:
@@ -126,23 +148,30 @@ def cast_after_wrapping(name: str) -> str:
 
 
 def make_sharded(param: nn.Parameter, name: str) -> ZeroParameter:
-    """Turn ``param`` (the same object) into a :class:`ZeroParameter`; it starts gathered."""
-    assert type(param) is not ZeroParameter, f"{name} is sharded already"  # (claim_parameters refuses that)
-    if type(param) is not nn.Parameter:
+    """Turn ``param`` (the same object) into a :class:`ZeroParameter` (a DTensor: a :class:`ZeroDTensorParameter`);
+    it starts gathered."""
+    assert type(param) not in _MANAGED.values(), f"{name} is sharded already"  # (claim_parameters refuses that)
+    if type(param) not in _MANAGED:
         raise ValueError(
-            f"parameter {name!r} is a {type(param).__name__}; stage 3 manages plain torch.nn.Parameter objects"
+            f"parameter {name!r} is a {type(param).__name__}; stage 3 manages plain torch.nn.Parameter objects "
+            "and the DTensor parameters of torch's tensor parallelism"
         )
-    param.__class__ = ZeroParameter
+    param.__class__ = _MANAGED[type(param)]
     param._zero_name = name
     param._zero_sharded = False
     return param  # type: ignore[return-value]
 
 
 def set_data(param: ZeroParameter, data: torch.Tensor, *, sharded: bool) -> None:
-    """Point the parameter at ``data`` (a gathered view or the placeholder)."""
+    """Point the parameter (a DTensor: its local tensor) at ``data`` (a gathered view or the placeholder)."""
     with torch._C.DisableTorchFunctionSubclass():
-        param.data = data
+        (param._local_tensor if isinstance(param, DTensor) else param).data = data
     param._zero_sharded = sharded
+
+
+def unmanaged_class(param: torch.Tensor) -> type:
+    """The class a managed stage-3 parameter had before :func:`make_sharded`."""
+    return next(plain for plain, managed in _MANAGED.items() if type(param) is managed)
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch import nn
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.buffers.placement import HOST
+from zero.runtime.buffers.sharded_param import unmanaged_class
 
 
 class ModelRelease:
@@ -45,8 +46,8 @@ class ModelRelease:
         self.remove_hooks()
         for bucket in self.buckets:
             for slot in bucket.slots:
-                if slot.grad_guard is not None and slot.param.grad is slot.grad_guard:
-                    slot.param.grad = None  # (stages 1-3: no rank holds the whole gradient)
+                if slot.grad_guard is not None and slot.grad is slot.grad_guard:
+                    slot.grad = None  # (stages 1-3: no rank holds the whole gradient)
         self.unshard_all()
 
     def dropped(self) -> None:
@@ -86,9 +87,9 @@ class ModelRelease:
             for slot in bucket.slots:
                 whole = slot.view.detach().to(home or slot.view.device, copy=True)
                 param = slot.param
-                param.__class__ = nn.Parameter
+                param.__class__ = unmanaged_class(param)
                 with torch.no_grad():
-                    param.data = whole
+                    slot.tensor.data = whole
                 for attr in ("_zero_name", "_zero_sharded", "_zero_owner", "_zero_dropped_by"):
                     param.__dict__.pop(attr, None)
             bucket.param_buffer.free()

@@ -62,6 +62,7 @@ from zero.runtime.gathering.backward_pass import BackwardPass
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.reduction.reduction_order import ReductionOrder
+from zero.runtime.reduction.tensor_parallel import NoTensorParallel
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook
@@ -96,6 +97,7 @@ class GradReducer:
         check: Callable[[], None],
         steps: Callable[[], int],
         scaler: LossScaler | NoLossScaling,
+        tensor_parallel: NoTensorParallel = NoTensorParallel(),
     ):
         self.buckets = buckets  # launch order
         self.slots = [slot for bucket in buckets for slot in bucket.slots]
@@ -105,6 +107,7 @@ class GradReducer:
         self.check = check  # run as each pass starts (the model still uses the managed parameters)
         self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
         self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
+        self.tensor_parallel = tensor_parallel  # makes tp-partial gradients whole; checks plain ones agree over tp
         self.sync_enabled = True  # False inside no_sync()
         self.state = GradState.EMPTY
         self._pass = BackwardPass()
@@ -143,7 +146,7 @@ class GradReducer:
         if self.state is GradState.REDUCING:
             return
         if self.state is GradState.INTERRUPTED:
-            if any(slot.param.grad is not None for slot in self.slots):
+            if any(slot.grad is not None for slot in self.slots):
                 raise ValueError(_INTERRUPTED)
             self.clear()
             return
@@ -154,7 +157,7 @@ class GradReducer:
             self.clear()  # every gradient was cleared: the same as opt.zero_grad()
 
     def _apply_user_edit(self, bucket: Bucket, slot: ParamSlot) -> None:
-        grad = slot.param.grad
+        grad = slot.grad
         if grad is None:
             if slot.has_grad:
                 self.stage.clear_grad(bucket, slot)
@@ -192,6 +195,7 @@ class GradReducer:
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         slot = self.slots[index]
         slot.used_here = True
+        self.tensor_parallel.make_whole(slot)
         if not self.sync_enabled:
             if self.state is not GradState.REDUCING:
                 self._to(GradState.ACCUMULATING, GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED)
@@ -235,13 +239,13 @@ class GradReducer:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 if reduced:  # the reduced gradients are in the stage's buffers now, whatever p.grad held
-                    slot.param.grad = self.stage.published_grad(bucket, slot) if slot.used_anywhere else None
+                    slot.grad = self.stage.published_grad(bucket, slot) if slot.used_anywhere else None
                 elif slot.used_anywhere and slot.grad_guard is not None:
                     # a reduced gradient plus this pass's local one: p.grad could show only the local part,
                     # so it goes behind the guard like the rest (stage.before_pass brings it back)
-                    slot.local_grad, slot.param.grad = slot.param.grad, self.stage.published_grad(bucket, slot)
-                elif slot.used_anywhere and slot.param.grad is None:
-                    slot.param.grad = self.stage.published_grad(bucket, slot)
+                    slot.local_grad, slot.grad = slot.grad, self.stage.published_grad(bucket, slot)
+                elif slot.used_anywhere and slot.grad is None:
+                    slot.grad = self.stage.published_grad(bucket, slot)
 
     # ----- collectives -----------------------------------------------------------------------------------
 
@@ -252,6 +256,7 @@ class GradReducer:
             handle.advance()  # buckets launched before start now, during backward (by then inside is mostly done)
         grads = self.stage.collect(bucket)
         self.scaler.observe(grads)
+        self.tensor_parallel.observe(bucket, grads)
         handle = self.stage.launch_reduce(bucket, self.comm)
         bucket.staging.start_collective()
         self._order.launched(bucket, handle)
@@ -304,6 +309,11 @@ class GradReducer:
                 "parameters were exchanged between mismatched units and this step's gradients are wrong. Make "
                 "every rank run the same modules in the same order."
             )
+        try:
+            self.tensor_parallel.check_round(self.comm)
+        except ValueError:
+            self.clear()  # step() must not use these gradients
+            raise
 
     # ----- clearing -----------------------------------------------------------------------------------
 
@@ -352,7 +362,7 @@ def _widen(slot: ParamSlot) -> None:
     up in it (as FSDP2 does) rather than in bf16; the reduction adds it in (``StagedReduction.collect``).
     ``p.grad`` stays, zeroed in place, for autograd to accumulate the next pass into (``0 + g`` is exact)."""
     dtypes = slot.bucket.dtypes
-    grad = slot.param.grad
+    grad = slot.grad
     if grad is None or dtypes.reduce.itemsize <= dtypes.compute.itemsize:
         return
     if slot.wide_grad is None:

@@ -63,8 +63,8 @@ class Stage0:
     def before_pass(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Point ``p.grad`` where autograd should accumulate in the coming pass: the slot's view of
         ``grad_buffer`` (it holds the slot's gradient so far, zeros if it has none)."""
-        if slot.param.grad is None:
-            slot.param.grad = bucket.grad_view(slot)
+        if slot.grad is None:
+            slot.grad = bucket.grad_view(slot)
 
     def reopen(self, bucket: Bucket) -> None:
         """Reduced gradients are about to receive another pass's local ones (before ``step()``)."""
@@ -79,12 +79,12 @@ class Stage0:
         already; a ``p.grad`` replaced or cleared by user code is copied in (or zeroed).
         """
         view = bucket.grad_view(slot)
-        grad = slot.param.grad
+        grad = slot.grad
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-        slot.param.grad = view
+        slot.grad = view
 
     def published_grad(self, bucket: Bucket, slot: ParamSlot):
         """What ``p.grad`` shows after a reduction: here the whole averaged gradient."""
@@ -126,7 +126,7 @@ class Stage0:
         bucket.grad_buffer.data.zero_()
         if set_to_none:
             for slot in bucket.slots:
-                slot.param.grad = slot.local_grad = None
+                slot.grad = slot.local_grad = None
         else:
             zero_local_grads(bucket)
 
@@ -142,6 +142,6 @@ def zero_local_grads(bucket: Bucket) -> None:
     as ``zero_grad(set_to_none=False)`` would."""
     staged = bucket.grad_buffer.data.untyped_storage().data_ptr() if bucket.grad_buffer is not None else None
     for slot in bucket.slots:
-        for grad in (slot.param.grad, slot.local_grad):
+        for grad in (slot.grad, slot.local_grad):
             if grad is not None and grad is not slot.grad_guard and grad.untyped_storage().data_ptr() != staged:
                 grad.zero_()

@@ -50,7 +50,7 @@ class Stage1(Stage0):
         buffer = bucket.param_buffer.storage_tensor  # (dtype and device only)
         nan = torch.full((), float("nan"), dtype=buffer.dtype, device=buffer.device)
         for slot in bucket.slots:
-            slot.grad_guard = sharded_grad(slot.param, slot.name, self.guard_reason, nan)
+            slot.grad_guard = sharded_grad(slot.shape, slot.name, self.guard_reason, nan)
 
     # ----- one backward pass ----------------------------------------------------------------------------
 
@@ -63,9 +63,9 @@ class Stage1(Stage0):
     @staticmethod
     def unguard(slot: ParamSlot) -> bool:
         """Swap the guard in ``p.grad`` for the ``no_sync()`` gradient kept behind it (``None`` if none)."""
-        if slot.param.grad is not slot.grad_guard:
+        if slot.grad is not slot.grad_guard:
             return False
-        slot.param.grad, slot.local_grad = slot.local_grad, None
+        slot.grad, slot.local_grad = slot.local_grad, None
         return True
 
     def reopen(self, bucket: Bucket) -> None:

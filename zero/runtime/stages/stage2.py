@@ -114,10 +114,10 @@ class Stage2(StagedReduction, Stage1):
         """Nothing yet: the gradient waits in ``p.grad`` until the bucket is launched."""
 
     def local_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor | None:
-        return slot.param.grad
+        return slot.grad
 
     def release_local(self, bucket: Bucket, slot: ParamSlot) -> None:
-        slot.param.grad = None
+        slot.grad = None
 
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         self.clear_shard_of(bucket, slot)
@@ -127,6 +127,6 @@ class Stage2(StagedReduction, Stage1):
         self.zero_shard(bucket, set_to_none)
         if set_to_none:
             for slot in bucket.slots:
-                slot.param.grad = slot.local_grad = None
+                slot.grad = slot.local_grad = None
         else:
             zero_local_grads(bucket)

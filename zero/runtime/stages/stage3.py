@@ -31,11 +31,11 @@ class Stage3(Stage2):
         buf = bucket.param_buffer.storage_tensor  # (dtype and device only)
         bucket.make_views()
         for slot in bucket.slots:
-            bucket.copy_to_shard(slot, slot.param)
+            bucket.copy_to_shard(slot, slot.tensor)
         nan = placeholder((), buf.dtype, buf.device)  # one element, shared by the bucket's placeholders
         for slot in bucket.slots:
             make_sharded(slot.param, slot.name)
-            slot.placeholder = nan.expand(slot.param.shape)
+            slot.placeholder = nan.expand(slot.shape)
             set_data(slot.param, slot.placeholder, sharded=True)
 
     def gather_params(self, bucket: Bucket, comm: Communicator) -> Handle | None:

@@ -1,0 +1,191 @@
+"""Tensor parallelism in a real world (issue 47): ``ZeroOptimizer`` over a model split by torch's
+``parallelize_module`` on a dp x tp mesh of gloo ranks, what each rank runs (``test_tensor_parallel_world.py``
+compares it).
+
+Every run trains ``zero.models.LlamaGPT`` for a few steps with AdamW, clipped at ``CLIP``, on the same global batch:
+
+* in one process, unsplit (the reference, computed on every rank alike);
+* FSDP2 + TP on the same mesh (``fully_shard(..., mesh=mesh["dp"])``): the anchor, whose deviation from the
+  reference is the noise floor;
+* ``ZeroOptimizer(..., mesh=mesh["dp"])`` at stages 0-3,
+
+under plan 1 (attention by heads, the MLP by hidden units; embedding, norms and head plain) and plan 2 (torchtitan's
+Llama plan: sequence parallelism, replicated norms with partial gradients). Also: per-head q/k norms declared the
+torch way (exact) and left plain (refused by name), the model-state bytes at stages 1 and 3, and the refusals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from zero import ZeroOptimizer
+from zero.models import LlamaConfig, LlamaGPT, local_slice, synthetic_batch, tensor_parallel_plan
+
+CFG = LlamaConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=4)
+STEPS = 3
+CLIP = 0.5
+LR = 1e-2
+BUCKET_MB = 0.004  # several buckets, parameters split across dp ranks
+PLANS = {"plan1": False, "plan2": True}  # name -> sequence parallel
+
+
+def _model(cfg: LlamaConfig = CFG) -> LlamaGPT:
+    torch.manual_seed(0)
+    return LlamaGPT(cfg)
+
+
+def _batch(step: int, global_batch: int, cfg: LlamaConfig = CFG):
+    return synthetic_batch(step, global_batch, cfg, seed=7)
+
+
+def _full(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's global value, flattened in model order (a collective over tp)."""
+    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).clone()
+                      for p in model.parameters()])
+
+
+def reference(global_batch: int, cfg: LlamaConfig = CFG) -> dict:
+    """Single-process training on the global batch."""
+    model = _model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, global_batch, cfg)
+        loss = model.loss(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "params": _full(model)}
+
+
+def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, micro: int = 1) -> dict:
+    """``micro`` > 1: that many micro-batches per step, all but the last under ``opt.no_sync()``."""
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, global_batch, cfg)
+        x, y = local_slice(x, dp_rank, dp), local_slice(y, dp_rank, dp)
+        loss = 0.0
+        for i in range(micro):
+            with opt.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                part = model.loss(local_slice(x, i, micro), local_slice(y, i, micro)) / micro
+                part.backward()
+            loss = loss + part.detach()
+        norm = clip()
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=mesh["dp"].get_group())
+        losses.append(float(mean) / dp)
+    return {"losses": losses, "norms": norms}
+
+
+def fsdp2_tp(mesh, sequence_parallel: bool, global_batch: int, cfg: LlamaConfig = CFG, declared: bool = True) -> dict:
+    model = parallelize_module(_model(cfg), mesh["tp"], tensor_parallel_plan(_model(cfg), sequence_parallel, declared))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = _train(model, opt, lambda: _clip_by_mesh(model), mesh, global_batch, cfg)
+    return out | {"params": _full(model)}
+
+
+@torch.no_grad()
+def _clip_by_mesh(model: torch.nn.Module) -> torch.Tensor:
+    """torch's clip for FSDP2 over a model whose parameters live on two meshes (dp; dp x tp), which
+    ``clip_grad_norm_`` refuses (its ``stack`` needs one mesh): each parameter's norm made whole, then one scale."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).full_tensor() for g in grads]))
+    coef = torch.clamp(CLIP / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: LlamaConfig = CFG,
+            declared: bool = True, micro: int = 1, **config) -> dict:
+    model = parallelize_module(_model(cfg), mesh["tp"], tensor_parallel_plan(_model(cfg), sequence_parallel, declared))
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), model, stage=stage, bucket_size_mb=BUCKET_MB,
+                        mesh=mesh["dp"], **config)
+    out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro)
+    with opt.gathered_parameters():
+        params = _full(model)
+    return out | {"params": params, "bytes": opt.model_state_bytes(), "local_numel": _local_numel(model)}
+
+
+def _local_numel(model: torch.nn.Module) -> int:
+    return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+# features composed with TP (plan 2): name -> (stage, micro-batches, ZeroConfig fields)
+COMPOSED = {
+    "accumulation": (2, 2, {}),
+    "offload": (3, 1, {"offload": {"optimizer": "cpu", "params": "cpu"}}),
+    "checkpointing": (3, 1, {"activation_checkpointing": {"classes": ["LlamaBlock"]}}),
+}
+
+
+def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[int, ...], full: bool) -> dict:
+    """Everything one dp x tp world runs; rank 0's results (the reference is the same everywhere). ``full``: also the
+    features composed with TP, the q/k norms and the refusals."""
+    dp = world_size // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    global_batch = 4 * dp
+    out: dict = {"reference": reference(global_batch)}
+    for plan, sp in PLANS.items():
+        out[plan, "fsdp2"] = fsdp2_tp(mesh, sp, global_batch)
+        for stage in stages:
+            out[plan, stage] = zero_tp(mesh, sp, stage, global_batch)
+    if not full:
+        return out if rank == 0 else {}
+    for name, (stage, micro, config) in COMPOSED.items():
+        out[name] = zero_tp(mesh, True, stage, global_batch, micro=micro, **config)
+    qk = LlamaConfig(**{**CFG.__dict__, "qk_norm": True})
+    out["qk", "reference"] = reference(global_batch, qk)
+    out["qk", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, qk)
+    out["qk", "fsdp2_plain"] = fsdp2_tp(mesh, True, global_batch, qk, declared=False)
+    out["qk", 2] = zero_tp(mesh, True, 2, global_batch, qk)
+    out["qk", "plain_error"] = _error(lambda: zero_tp(mesh, True, 2, global_batch, qk, declared=False))
+    out["refusals"] = _refusals(mesh)
+    return out if rank == 0 else {}
+
+
+def _refusals(mesh) -> dict:
+    model = parallelize_module(_model(), mesh["tp"], tensor_parallel_plan(_model(), False))
+    adamw = torch.optim.AdamW(model.parameters())
+    return {
+        "overlap": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
+        "both": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),
+        "adafactor": _error(lambda: ZeroOptimizer(torch.optim.Adafactor(model.parameters()), model, mesh=mesh["dp"])),
+        "bf16": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], precision={"param_dtype": "bf16"})),
+    }
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def loss_gap(run: dict, ref: dict) -> float:
+    return max(abs(a - b) for a, b in zip(run["losses"], ref["losses"]))
+
+
+def norm_gap(run: dict, ref: dict) -> float:
+    return max(abs(a - b) / b for a, b in zip(run["norms"], ref["norms"]) if math.isfinite(b))
