@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+import zero
+from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
 from zero.models import LlamaConfig, LlamaGPT, local_slice, synthetic_batch, tensor_parallel_plan
 
@@ -67,6 +71,20 @@ def reference(global_batch: int, cfg: LlamaConfig = CFG) -> dict:
     return {"losses": losses, "norms": norms, "params": _full(model)}
 
 
+def reference_bf16(global_batch: int) -> dict:
+    """Single-process bf16 parameters over fp32 masters on the global batch (``tests.recipes.MasterRecipe``)."""
+    recipe = MasterRecipe(_model(), torch.bfloat16, lambda params: torch.optim.AdamW(params, lr=LR))
+    losses = []
+    for step in range(STEPS):
+        loss = recipe.low.loss(*_batch(step, global_batch))
+        loss.backward()
+        recipe.grads_to_master()
+        torch.nn.utils.clip_grad_norm_(recipe.master, CLIP)
+        recipe.step()
+        losses.append(float(loss))
+    return {"losses": losses, "params": _full(recipe.low).float()}
+
+
 def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, micro: int = 1) -> dict:
     """``micro`` > 1: that many micro-batches per step, all but the last under ``opt.no_sync()``."""
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -90,14 +108,16 @@ def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, mi
     return {"losses": losses, "norms": norms}
 
 
-def fsdp2_tp(mesh, sequence_parallel: bool, global_batch: int, cfg: LlamaConfig = CFG, declared: bool = True) -> dict:
+def fsdp2_tp(mesh, sequence_parallel: bool, global_batch: int, cfg: LlamaConfig = CFG, declared: bool = True,
+             bf16: bool = False) -> dict:
     model = parallelize_module(_model(cfg), mesh["tp"], tensor_parallel_plan(_model(cfg), sequence_parallel, declared))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for module in [*model.layers, model]:
+        fully_shard(module, mesh=mesh["dp"], **({"mp_policy": policy} if bf16 else {}))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = _train(model, opt, lambda: _clip_by_mesh(model), mesh, global_batch, cfg)
-    return out | {"params": _full(model)}
+    params = _full(model)
+    return out | {"params": params.to(torch.bfloat16).float() if bf16 else params}
 
 
 @torch.no_grad()
@@ -119,7 +139,7 @@ def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: L
                         mesh=mesh["dp"], **config)
     out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro)
     with opt.gathered_parameters():
-        params = _full(model)
+        params = _full(model).float()
     return out | {"params": params, "bytes": opt.model_state_bytes(), "local_numel": _local_numel(model)}
 
 
@@ -158,6 +178,10 @@ def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[in
         return out if rank == 0 else {}
     for name, (stage, micro, config) in COMPOSED.items():
         out[name] = zero_tp(mesh, True, stage, global_batch, micro=micro, **config)
+    out["bf16", "reference"] = reference_bf16(global_batch)
+    out["bf16", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, bf16=True)
+    for stage in (1, 3):
+        out["bf16", stage] = zero_tp(mesh, True, stage, global_batch, precision={"param_dtype": "bf16"})
     qk = LlamaConfig(**{**CFG.__dict__, "qk_norm": True})
     out["qk", "reference"] = reference(global_batch, qk)
     out["qk", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, qk)
@@ -171,11 +195,16 @@ def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[in
 def _refusals(mesh) -> dict:
     model = parallelize_module(_model(), mesh["tp"], tensor_parallel_plan(_model(), False))
     adamw = torch.optim.AdamW(model.parameters())
+    checkpoint = os.path.join(tempfile.mkdtemp(), "ckpt")
+
+    def save() -> None:
+        zero.save_checkpoint(checkpoint, model, ZeroOptimizer(adamw, model, stage=1, mesh=mesh["dp"]))
+
     return {
+        "checkpoint": _error(save) if not os.path.exists(checkpoint) else "a directory was written",
         "overlap": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
         "both": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),
         "adafactor": _error(lambda: ZeroOptimizer(torch.optim.Adafactor(model.parameters()), model, mesh=mesh["dp"])),
-        "bf16": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], precision={"param_dtype": "bf16"})),
     }
 
 

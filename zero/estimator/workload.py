@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zero.activations import ActivationCheckpointing
 from zero.estimator.configuration import POLICIES, Units
@@ -145,6 +146,10 @@ class Workload:
             with self.mode, explained("building the model"):
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
+                if any(isinstance(p, DTensor) for p in model.parameters()):
+                    raise ValueError("the model function returned a tensor-parallel model (DTensor parameters); the "
+                                     "estimator prices data parallelism over an unsplit model and has no notion of "
+                                     "a tp mesh yet (docs/parallelism.md): pass the model before parallelize_module")
                 if policy.enabled:  # as ZeroOptimizer casts the managed parameters, and the inputs of its units
                     full = full_precision_parameters(model)  # and of the modules computing in param_dtype
                     for p in model.parameters():

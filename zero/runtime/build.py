@@ -23,7 +23,7 @@ from zero.comm.hierarchy import codec_of, hierarchical
 from zero.config import ZeroConfig
 from zero.precision import DTYPES
 from zero.runtime.activations.checkpointing import checkpoint_activations
-from zero.runtime.buffers.local_tensor import local_of
+from zero.runtime.buffers.local_tensor import local_of, retype_parameters
 from zero.runtime.buffers.partition import Partition, build_partition
 from zero.runtime.buffers.placement import Placements
 from zero.runtime.buffers.units import plan_units
@@ -107,6 +107,7 @@ def build_runtime(
             stage.init_grads(bucket)
         bucket.build_pieces()
         bucket.evict()  # offload to disk: what was written is not needed in memory until used
+    retype_parameters(model, [slot for bucket in partition.buckets for slot in bucket.slots])  # (bf16 DTensors)
     if meta:
         slots = {slot.param: slot for bucket in partition.buckets for slot in bucket.slots}
         materialize(model, meta, slots, init_fn, comm.device)
@@ -193,9 +194,7 @@ def _check_tensor_parallel_supported(tensor_parallel: NoTensorParallel, optimize
         return
     refused = [f"{type(o).__name__} (stepped on whole parameters: Newton-Schulz or factored statistics on a tp "
                "shard would be a different update)" for o, w in zip(optimizers, whole) if w]
-    refused += ["mixed precision (precision.param_dtype: a DTensor parameter's dtype is fixed where it was made, "
-                "so its low-precision copy would need a DTensor of its own)" if config.precision.enabled else None,
-                "offload to disk" if config.offload.pages else None,
+    refused += ["offload to disk" if config.offload.pages else None,
                 "hierarchical communication (HSDP, hpZ)" if levels is not None else None]
     refused = [r for r in refused if r]
     if refused:

@@ -96,4 +96,11 @@ def checked(model: torch.nn.Module, optimizer: Any) -> Checkpointable:
                          f"{type(optimizer).__name__}; wrap it in zero.ZeroOptimizer first")
     if optimizer.module is not model:
         raise ValueError("this ZeroOptimizer was built for another model; pass the model it wraps")
+    if optimizer.runtime.tensor_parallel.size > 1:
+        raise ValueError(
+            "portable checkpoints of a tensor-parallel model (DTensor parameters from parallelize_module) are not "
+            "written yet: their pieces would have to be boxes of the global tensors. Save each rank's shard with "
+            "opt.state_dict() and the model with torch.distributed.checkpoint (DCP) instead, and load them on the "
+            "same dp x tp mesh (docs/parallelism.md)."
+        )
     return optimizer

@@ -53,7 +53,7 @@ def header(
         "rank": rank,
         "precision": dict(precision or FULL_PRECISION),
         "layout": {
-            "params": [(s.name, tuple(s.param.shape), str(s.param.dtype)) for s in partition.slots],
+            "params": [(s.name, tuple(s.shape), str(s.param.dtype)) for s in partition.slots],
             "buckets": [(b.layout.padded_numel, len(b.slots)) for b in partition.buckets],
         },
         **described,

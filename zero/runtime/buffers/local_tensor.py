@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 class PlainLocal:
@@ -98,3 +99,27 @@ def whole_over_tp(grad: DTensor, placements: tuple) -> bool:
     parameter is replicated or sharded): then an all-reduce of its local tensor makes it whole."""
     return all(g == p or (isinstance(g, Partial) and g.reduce_op == "sum" and isinstance(p, Replicate))
                for g, p in zip(grad.placements, placements))
+
+
+def retype_parameters(model: torch.nn.Module, slots: list) -> None:
+    """Mixed precision: a DTensor parameter whose local tensor now holds the compute dtype (a view of the bf16
+    buffers) gets a new DTensor of that dtype around it, in every module holding it (a DTensor's dtype is fixed where
+    it is made, so the parameter object cannot keep it, as a plain one does). The slot, the stage-3 guard and the
+    ownership mark move to the new parameter; hooks are registered on it afterwards."""
+    replaced: dict[int, DTensor] = {}
+    for slot in slots:
+        param, local = slot.param, slot.tensor
+        if not slot.local.tensor_parallel or local.dtype == param.dtype:
+            continue
+        spec = param._spec
+        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
+        new = DTensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                      requires_grad=param.requires_grad)
+        new.__class__ = type(param)  # (a stage-3 guard's class too)
+        new.__dict__.update({k: v for k, v in param.__dict__.items() if k.startswith("_zero")}, _is_param=True)
+        replaced[id(param)] = slot.param = new
+        slot.local = TensorParallelLocal(new)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in replaced:
+                module._parameters[name] = replaced[id(param)]
