@@ -200,7 +200,18 @@ def _refusals(mesh) -> dict:
     def save() -> None:
         zero.save_checkpoint(checkpoint, model, ZeroOptimizer(adamw, model, stage=1, mesh=mesh["dp"]))
 
+    def use_sharded() -> None:  # a stage-3 DTensor parameter used outside its unit's forward
+        sharded = parallelize_module(_model(), mesh["tp"], tensor_parallel_plan(_model(), True))
+        opt = ZeroOptimizer(torch.optim.AdamW(sharded.parameters()), sharded, stage=3, mesh=mesh["dp"])
+        try:
+            sharded.layers[0].attention.wq.weight * 2
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+        finally:
+            opt.close()
+
     return {
+        "sharded_use": _error(use_sharded),
         "checkpoint": _error(save) if not os.path.exists(checkpoint) else "a directory was written",
         "overlap": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
         "both": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),

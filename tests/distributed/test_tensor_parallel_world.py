@@ -113,3 +113,4 @@ def test_refusals(world):
     assert "not both" in refusals["both"]
     assert "Adafactor" in refusals["adafactor"] and "tensor parallelism" in refusals["adafactor"]
     assert "portable checkpoints of a tensor-parallel model" in refusals["checkpoint"]
+    assert "'layers.0.attention.wq.weight' is sharded across ranks (stage 3)" in refusals["sharded_use"]
