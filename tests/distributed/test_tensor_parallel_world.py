@@ -96,6 +96,19 @@ def test_bf16_parameters_over_fp32_masters(world, stage):
     assert loss_gap(run, ref) <= FACTOR * loss_gap(anchor, ref) + 1e-3
 
 
+@pytest.mark.parametrize("stage", (1, 3))
+def test_muon_on_tp_sharded_matrices(world, stage):
+    """Muon + AdamW with Muon on column- and row-sharded matrices: each owner gathers its matrix over tp as well and
+    orthogonalizes the whole of it, so the update is single-process training's within Muon's own noise (the same
+    run with ``MUON_NOISE`` relative gradient noise: Newton-Schulz in bf16 carries rounding far; measured: 1.7e-3
+    relative L2 after 3 steps, ours 1.8e-3 at stages 1 and 3)."""
+    out = _full_only(world)
+    ref, noisy, run = out["muon", "reference"], out["muon", "noise"], out["muon", stage]
+    noise, diff = rel_l2(noisy["params"], ref["params"]), rel_l2(run["params"], ref["params"])
+    assert diff <= FACTOR * noise + 1e-6, f"Muon stage {stage}: parameters {diff:.3g} off, Muon's noise {noise:.3g}"
+    assert loss_gap(run, ref) <= FACTOR * loss_gap(noisy, ref) + LOSS_TOL
+
+
 def test_per_head_norms(world):
     """Qwen3's per-head q/k norms: declared with SequenceParallel(sequence_dim=2), exact; left plain, FSDP2 + TP drifts
     silently while zero refuses the parameter by name with the fix."""
@@ -111,6 +124,5 @@ def test_refusals(world):
     refusals = _full_only(world)["refusals"]
     assert "overlaps the data-parallel group" in refusals["overlap"] and "mesh['dp']" in refusals["overlap"]
     assert "not both" in refusals["both"]
-    assert "Adafactor" in refusals["adafactor"] and "tensor parallelism" in refusals["adafactor"]
-    assert "portable checkpoints of a tensor-parallel model" in refusals["checkpoint"]
+    assert "offload to disk" in refusals["disk"] and "tensor parallelism" in refusals["disk"]
     assert "'layers.0.attention.wq.weight' is sharded across ranks (stage 3)" in refusals["sharded_use"]

@@ -87,7 +87,7 @@ def build_runtime(
     )
     comm, secondary = hierarchical(world, config.communication)  # (HSDP: the shard group's; hpZ: and its group's)
     tensor_parallel = tensor_parallel_of(model, world, config.timeout_s)  # (a model split by parallelize_module)
-    _check_tensor_parallel_supported(tensor_parallel, optimizers, whole, config, comm.replicas or secondary)
+    _check_tensor_parallel_supported(tensor_parallel, config, comm.replicas or secondary)
     for communicator in (comm, *comm.levels.values()):
         communicator.codec = codec_of(config.communication)
     gather_dropped_shards(model)  # what a dropped stage-3 optimizer left sharded (zero.runtime.gathering.release)
@@ -116,7 +116,8 @@ def build_runtime(
     cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
     whole_groups = {gi: None if is_per_parameter(o, config.per_parameter_optimizers) else i
                     for i, (o, r, w) in enumerate(zip(optimizers, groups.ranges, whole)) if w for gi in r}
-    owners = OwnerStep(partition.trainable_buckets, whole_groups, comm, stage.num_shards(comm.world_size))
+    owners = OwnerStep(partition.trainable_buckets, whole_groups, comm, stage.num_shards(comm.world_size),
+                       tensor_parallel)
     inners = [rebuild_whole(o, r, owners.owned()) if w else rebuild_flat(o, r, partition.buckets)
               for o, r, w in zip(optimizers, groups.ranges, whole)]
     owners.inners = [inner for inner in inners if inner.whole]
@@ -187,20 +188,18 @@ def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[
                          f"with {what} offload to 'cpu' instead")
 
 
-def _check_tensor_parallel_supported(tensor_parallel: NoTensorParallel, optimizers: list[torch.optim.Optimizer],
-                                     whole: list[bool], config: ZeroConfig, levels: Communicator | None) -> None:
+def _check_tensor_parallel_supported(tensor_parallel: NoTensorParallel, config: ZeroConfig,
+                                     levels: Communicator | None) -> None:
     """With a tensor-parallel model: refuse by name what does not compose with tp yet."""
     if tensor_parallel.size == 1:
         return
-    refused = [f"{type(o).__name__} (stepped on whole parameters: Newton-Schulz or factored statistics on a tp "
-               "shard would be a different update)" for o, w in zip(optimizers, whole) if w]
-    refused += ["offload to disk" if config.offload.pages else None,
+    refused = ["offload to disk" if config.offload.pages else None,
                 "hierarchical communication (HSDP, hpZ)" if levels is not None else None]
     refused = [r for r in refused if r]
     if refused:
         raise ValueError(f"zero does not yet compose tensor parallelism with {refused[0]}; with a model split by "
-                         "parallelize_module, use an elementwise optimizer (AdamW, Adam, SGD), offload to 'cpu' at "
-                         "most, and flat communication (docs/parallelism.md)")
+                         "parallelize_module, offload to 'cpu' at most, and use flat communication "
+                         "(docs/parallelism.md)")
 
 
 def _host_threads(config: ZeroConfig, comm: Communicator) -> int | None:

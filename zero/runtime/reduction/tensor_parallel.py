@@ -25,6 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
@@ -46,6 +47,17 @@ class NoTensorParallel:
 
     def check_round(self, dp: Communicator) -> None:
         pass
+
+    def check_agree(self, value: object, what: str) -> None:
+        """Raise unless every tp rank has the same ``value`` (here: no tp ranks to disagree)."""
+
+    def whole(self, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor of which ``local`` (in the slot's local shape) is this rank's part: here itself."""
+        return local
+
+    def local_part(self, slot: ParamSlot, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the global tensor ``whole`` (the inverse of :meth:`whole`): here itself."""
+        return whole
 
     def total_norm(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
         """``sharded``/``replicated``: this rank's partial sums (``norm ** p``, or maxima) of the two kinds of
@@ -113,6 +125,29 @@ class TensorParallel(NoTensorParallel):
                 "torch sums over tp: parallelize its module with SequenceParallel(sequence_dim=<the sharded "
                 "dimension>) (for per-head norms on (batch, seq, heads, head_dim) activations: sequence_dim=2)."
             )
+
+    def check_agree(self, value: object, what: str) -> None:
+        values = self.comm.all_gather_json(value, what=f"all-gather over tp of {what}")
+        if any(v != values[0] for v in values):
+            raise ValueError(
+                f"the tp ranks disagree on {what}: their local tensors differ in size (a dimension that does not "
+                "divide by the tp degree), so their buckets differ; split dimensions evenly over tp for this"
+            )
+
+    def whole(self, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+        """A tp-sharded parameter's global tensor from every tp rank's ``local`` part (torch's all-gather over the tp
+        mesh, uneven shards included; collective over tp); a replicated one's is ``local`` itself."""
+        if not slot.local.tp_sharded:
+            return local
+        meta = slot.local.spec.tensor_meta  # (the global shape and stride)
+        return DTensor.from_local(local, slot.local.mesh, slot.local.placements, run_check=False,
+                                  shape=meta.shape, stride=meta.stride).full_tensor()
+
+    def local_part(self, slot: ParamSlot, whole: torch.Tensor) -> torch.Tensor:
+        if not slot.local.tp_sharded:
+            return whole
+        shape, offset = compute_local_shape_and_global_offset(whole.shape, slot.local.mesh, slot.local.placements)
+        return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
 
     def total_norm(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The tp-sharded pieces' partial sum (or maximum) taken over tp as well; replicated pieces counted once."""

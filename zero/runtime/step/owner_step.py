@@ -29,6 +29,7 @@ import torch
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.buffers.owners import Exchange, Transfer, assign_unit_owners
+from zero.runtime.reduction.tensor_parallel import NoTensorParallel
 from zero.runtime.step.inner import Inner
 
 
@@ -37,10 +38,12 @@ class OwnerStep:
     inert (``active`` False) when every optimizer takes the flat path."""
 
     def __init__(self, buckets: list[Bucket], whole_groups: dict[int, int | None], comm: Communicator,
-                 num_shards: int):
+                 num_shards: int, tensor_parallel: NoTensorParallel = NoTensorParallel()):
         """``whole_groups``: the whole-path optimizers' parameter groups, each mapped to its optimizer's number when
-        all its parameters must share an owner (a rule that may read several at once), else to ``None``."""
-        self.buckets, self.comm = buckets, comm
+        all its parameters must share an owner (a rule that may read several at once), else to ``None``.
+        ``tensor_parallel``: the model's tp dimension; a tp-sharded parameter's owners (one per tp rank, at the same
+        dp position) gather it over tp and each steps the global tensor, keeping its own part."""
+        self.buckets, self.comm, self.tensor_parallel = buckets, comm, tensor_parallel
         self.shard = comm.rank if num_shards > 1 else 0
         slots = sorted((s for b in buckets for s in b.slots if s.group_index in whole_groups), key=lambda s: s.order)
         units = [("optimizer", whole_groups[s.group_index]) if whole_groups[s.group_index] is not None
@@ -50,6 +53,8 @@ class OwnerStep:
         self.slot_of = {(index[id(slot.bucket)], slot.span.param_index): slot for slot in slots}  # by key
         self.owner_of = dict(zip(self.slot_of, owners))
         self.exchange = Exchange([b.layout for b in buckets], self.owner_of, num_shards, self.shard)
+        tensor_parallel.check_agree([[*key, owner] for key, owner in self.owner_of.items()],
+                                    "the owners of the parameters stepped whole")
         # the owned parameters' stand-ins, which the rebuilt optimizers hold (in model order)
         self.stand_ins = {key: _placeholder(self.slot_of[key]) for key, o in self.owner_of.items() if o == self.shard}
         self.inners: list[Inner] = []  # the whole-parameter optimizers, rebuilt over ``stand_ins``
@@ -75,7 +80,8 @@ class OwnerStep:
         """Update the whole parameters with a gradient: this rank's owned ones here, the rest by their owners; every
         rank's master chunk holds the updated values afterwards."""
         used = {key for key, slot in self.slot_of.items() if slot.used_anywhere}
-        wholes = self._gather(used)
+        tp = self.tensor_parallel
+        wholes = {key: tuple(tp.whole(self.slot_of[key], t) for t in pair) for key, pair in self._gather(used).items()}
         for key, (grad, value) in wholes.items():
             self.stand_ins[key].data, self.stand_ins[key].grad = value, grad
         try:
@@ -85,7 +91,7 @@ class OwnerStep:
             for key in wholes:
                 self.stand_ins[key].data, self.stand_ins[key].grad = _placeholder(self.slot_of[key]), None
         self.updates += len(wholes)
-        self._scatter(used, {key: value for key, (_, value) in wholes.items()})
+        self._scatter(used, {key: tp.local_part(self.slot_of[key], value) for key, (_, value) in wholes.items()})
 
     # ----- the exchange --------------------------------------------------------------------------------
 
@@ -97,7 +103,7 @@ class OwnerStep:
         for key in self.stand_ins:
             if key in used:
                 slot, master = self.slot_of[key], self.buckets[key[0]].master
-                wholes[key] = tuple(torch.empty(slot.param.shape, dtype=master.dtype, device=master.device)
+                wholes[key] = tuple(torch.empty(slot.shape, dtype=master.dtype, device=master.device)
                                     for _ in range(2))
                 if not self._master_travels(key[0]):
                     wholes[key][1].copy_(slot.view)
@@ -167,7 +173,7 @@ class OwnerStep:
 
 
 def _placeholder(slot: ParamSlot) -> torch.Tensor:
-    """A zero-stride tensor of the parameter's shape, in the master's dtype and device (no memory)."""
+    """A zero-stride tensor of the parameter's (global) shape, in the master's dtype and device (no memory)."""
     master = slot.bucket.master
     return torch.zeros((), dtype=master.dtype, device=master.device).expand(slot.param.shape)
 
