@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 # what the memory profiler sorts every live byte into (zero.profile)
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporaries", "other")
@@ -46,8 +47,16 @@ class ModelStateBytes:
         return self.parameters + self.gradients + self.optimizer_state
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage behind ``t``'s bytes: a wrapper subclass's is its inner tensor's (a DTensor's local tensor under
+    tensor parallelism, the bytes this rank holds; a functional collective's result); the wrapper itself has none."""
+    while is_traceable_wrapper_subclass(t):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t.untyped_storage()
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
+    storage = storage_of(t)
     return (str(t.device), storage.data_ptr())
 
 
@@ -56,7 +65,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[str, int], int] = {}
     with torch._C.DisableTorchFunctionSubclass():  # accounting reads sharded parameters' storage too
         for t in tensors:
-            nbytes = t.untyped_storage().nbytes()
+            nbytes = storage_of(t).nbytes()
             if nbytes:
                 seen[_storage_key(t)] = nbytes
     return sum(seen.values())

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+import zero
 from tests.recipes import MasterRecipe
 from zero import ZeroOptimizer
 from zero.models import LlamaConfig, LlamaGPT, local_slice, synthetic_batch, tensor_parallel_plan
@@ -187,6 +188,24 @@ def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: L
     return out | {"params": params, "bytes": opt.model_state_bytes(), "local_numel": _local_numel(model)}
 
 
+def profiled(mesh, stage: int, global_batch: int) -> dict:
+    """``zero.profile`` over two steps of a TP model (plan 2): its categories after the last step, against what the
+    optimizer says it holds, and the largest unexplained byte count."""
+    model = parallelize_module(_model(), mesh["tp"], tensor_parallel_plan(_model(), True))
+    opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), model, stage=stage, bucket_size_mb=BUCKET_MB,
+                        mesh=mesh["dp"])
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    with zero.profile(model, opt, every_op=False) as prof:
+        for step in range(2):
+            x, y = (local_slice(t, dp_rank, dp) for t in _batch(step, global_batch))
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    rest = [s for s in prof.samples if s.event == "optimizer step ends"][-1]
+    return {"rest": dict(rest.categories), "bytes": opt.model_state_bytes(), "local_numel": _local_numel(model),
+            "max_unexplained": max(abs(s.unexplained) for s in prof.samples), "peak": prof.peak.allocated}
+
+
 def _local_numel(model: torch.nn.Module) -> int:
     return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
@@ -231,6 +250,7 @@ def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[in
     for stage in (1, 3):
         out["bf16", stage] = zero_tp(mesh, True, stage, global_batch, precision={"param_dtype": "bf16"})
     qk = LlamaConfig(**{**CFG.__dict__, "qk_norm": True})
+    out["profile"] = profiled(mesh, 3, global_batch)
     out["qk", "reference"] = reference(global_batch, qk)
     out["qk", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, qk)
     out["qk", "fsdp2_plain"] = fsdp2_tp(mesh, True, global_batch, qk, declared=False)

@@ -72,6 +72,16 @@ def test_model_state_is_tp_local_over_dp(world):
         assert out[plan, 0]["bytes"].parameters / 4 == local  # stage 0: whole local tensors
 
 
+def test_profiler_counts_what_each_rank_holds(world):
+    """``zero.profile`` on a TP model at stage 3 attributes the local storage each rank holds: its parameters and
+    optimizer state after a step are the optimizer's own figures (tp-local / dp), and every sample adds up."""
+    out = _full_only(world)["profile"]
+    held = out["bytes"]
+    assert out["rest"]["parameters"] == held.parameters
+    assert out["rest"]["optimizer_state"] == held.optimizer_state
+    assert out["max_unexplained"] <= 0.01 * out["peak"], out
+
+
 def _full_only(world) -> dict:
     name, out = world
     if "accumulation" not in out:

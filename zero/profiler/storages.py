@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zero.memory import live_tensors
+from zero.memory import live_tensors, storage_of
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SavedTensor:
 
     def __init__(self, tensor: torch.Tensor, registry: dict[int, SavedStorage], module: str, phase: str):
         with torch._C.DisableTorchFunctionSubclass():
-            storage = tensor.untyped_storage()
+            storage = storage_of(tensor)
         self.key = storage._cdata
         self.entry = registry.get(self.key)
         if self.entry is None:
@@ -91,7 +91,7 @@ def entry_storages(device: torch.device) -> dict[int, EntryStorage]:
                 if t is None or t.layout != torch.strided:
                     continue
                 try:
-                    storage = t.untyped_storage()
+                    storage = storage_of(t)
                     ptr = storage.data_ptr()
                 except Exception:  # tensors without real memory (fake tensors, some subclasses)
                     continue

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zero.memory import CATEGORIES, MemoryItem
+from zero.memory import CATEGORIES, MemoryItem, storage_of
 from zero.outputs import tensors_in
 from zero.profiler.allocator import Allocator, make_allocator
 from zero.profiler.report import peak_sample, table
@@ -215,7 +215,7 @@ class MemoryTracker:
 
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's sharded parameters guard their storage
             for item in self._owned():
-                count_storage(item.tensor.untyped_storage(), item.category, item.label, item.module)
+                count_storage(storage_of(item.tensor), item.category, item.label, item.module)
             for origin in list(self._saved.values()):  # held by autograd right now
                 storage = origin.ref()
                 if storage is not None:
@@ -276,7 +276,7 @@ class MemoryTracker:
         ctx = self._ctx
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device.type and t.layout == torch.strided:
-                register(self._created, t.untyped_storage(), ctx.module, ctx.phase)
+                register(self._created, storage_of(t), ctx.module, ctx.phase)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device.type != self.device.type or isinstance(t, nn.Parameter):
