@@ -58,10 +58,16 @@ def _full(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def reference(global_batch: int, cfg: LlamaConfig = CFG) -> dict:
+def _trainable(model: torch.nn.Module, frozen: bool) -> list[torch.Tensor]:
+    """``frozen``: the token embedding frozen (a frozen base under adapters, in small); the parameters to train."""
+    model.tok_embeddings.weight.requires_grad_(not frozen)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def reference(global_batch: int, cfg: LlamaConfig = CFG, frozen: bool = False) -> dict:
     """Single-process training on the global batch."""
     model = _model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(_trainable(model, frozen), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step, global_batch, cfg)
@@ -178,9 +184,9 @@ def _clip_by_mesh(model: torch.nn.Module) -> torch.Tensor:
 
 
 def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: LlamaConfig = CFG,
-            declared: bool = True, micro: int = 1, optimizers=None, **config) -> dict:
+            declared: bool = True, micro: int = 1, optimizers=None, frozen: bool = False, **config) -> dict:
     model = parallelize_module(_model(cfg), mesh["tp"], tensor_parallel_plan(_model(cfg), sequence_parallel, declared))
-    optimizer = optimizers(model) if optimizers else torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = optimizers(model) if optimizers else torch.optim.AdamW(_trainable(model, frozen), lr=LR)
     opt = ZeroOptimizer(optimizer, model, stage=stage, bucket_size_mb=BUCKET_MB, mesh=mesh["dp"], **config)
     out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro)
     with opt.gathered_parameters():
@@ -220,10 +226,13 @@ def _error(fn) -> str:
 
 # features composed with TP (plan 2): name -> (stage, micro-batches, ZeroConfig fields)
 COMPOSED = {
-    "accumulation": (2, 2, {}),
-    "offload": (3, 1, {"offload": {"optimizer": "cpu", "params": "cpu"}}),
-    "checkpointing": (3, 1, {"activation_checkpointing": {"classes": ["LlamaBlock"]}}),
+    "accumulation": {"stage": 2, "micro": 2},
+    "offload": {"stage": 3, "offload": {"optimizer": "cpu", "params": "cpu"}},
+    "checkpointing": {"stage": 3, "activation_checkpointing": {"classes": ["LlamaBlock"]}},
+    "frozen-1": {"stage": 1, "frozen": True},  # (the frozen embedding: a row-wise DTensor kept whole at stages 0-2)
+    "frozen-3": {"stage": 3, "frozen": True},  # (... sharded with its unit at stage 3)
 }
+FROZEN_BF16_STAGES = (1, 3)
 
 
 def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[int, ...], full: bool) -> dict:
@@ -239,8 +248,12 @@ def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[in
             out[plan, stage] = zero_tp(mesh, sp, stage, global_batch)
     if not full:
         return out if rank == 0 else {}
-    for name, (stage, micro, config) in COMPOSED.items():
-        out[name] = zero_tp(mesh, True, stage, global_batch, micro=micro, **config)
+    out["frozen", "reference"] = reference(global_batch, frozen=True)
+    for name, config in COMPOSED.items():
+        out[name] = zero_tp(mesh, True, global_batch=global_batch, **config)
+    for stage in FROZEN_BF16_STAGES:
+        out["frozen-bf16", stage] = zero_tp(mesh, True, stage, global_batch, frozen=True,
+                                            precision={"param_dtype": "bf16"})
     out["muon", "reference"] = reference_muon(global_batch)
     out["muon", "noise"] = reference_muon(global_batch, noise=MUON_NOISE)
     for stage in (1, 3):

@@ -11,10 +11,12 @@ on the whole model.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.harness import run_world
 from tests.distributed.tensor_parallel_world import (
     COMPOSED,
+    FROZEN_BF16_STAGES,
     PLANS,
     loss_gap,
     norm_gap,
@@ -92,7 +94,20 @@ def _full_only(world) -> dict:
 @pytest.mark.parametrize("feature", list(COMPOSED))
 def test_composes_with_features(world, feature):
     out = _full_only(world)
-    _like_fsdp2(out[feature], out["plan2", "fsdp2"], out["reference"], feature)
+    ref = out["frozen", "reference"] if COMPOSED[feature].get("frozen") else out["reference"]
+    _like_fsdp2(out[feature], out["plan2", "fsdp2"], ref, feature)
+
+
+@pytest.mark.parametrize("stage", FROZEN_BF16_STAGES)
+def test_frozen_dtensor_under_bf16(world, stage):
+    """A frozen DTensor parameter under bf16 parameters: kept whole and cast once at stage 1 (a new DTensor of the
+    compute dtype), sharded with its unit at stage 3; held to bf16's rounding against fp32 training (the bound is
+    FSDP2 + TP's own bf16 deviation, measured in the same world)."""
+    out = _full_only(world)
+    run, ref = out["frozen-bf16", stage], out["frozen", "reference"]
+    bound = FACTOR * rel_l2(out["bf16", "fsdp2"]["params"], out["reference"]["params"])
+    assert rel_l2(run["params"], ref["params"]) <= bound
+    assert run["params"][: 64 * 32].equal(ref["params"][: 64 * 32].to(torch.bfloat16).float())  # frozen: only cast
 
 
 @pytest.mark.parametrize("stage", (1, 3))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from zero.runtime.precision.parameters import dtensor_like, replace_parameters
 
 
 class PlainLocal:
@@ -108,18 +109,7 @@ def retype_parameters(model: torch.nn.Module, slots: list) -> None:
     ownership mark move to the new parameter; hooks are registered on it afterwards."""
     replaced: dict[int, DTensor] = {}
     for slot in slots:
-        param, local = slot.param, slot.tensor
-        if not slot.local.tensor_parallel or local.dtype == param.dtype:
-            continue
-        spec = param._spec
-        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
-        new = DTensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
-                      requires_grad=param.requires_grad)
-        new.__class__ = type(param)  # (a stage-3 guard's class too)
-        new.__dict__.update({k: v for k, v in param.__dict__.items() if k.startswith("_zero")}, _is_param=True)
-        replaced[id(param)] = slot.param = new
-        slot.local = TensorParallelLocal(new)
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and id(param) in replaced:
-                module._parameters[name] = replaced[id(param)]
+        if slot.local.tensor_parallel and slot.tensor.dtype != slot.param.dtype:
+            replaced[id(slot.param)] = slot.param = dtensor_like(slot.param, slot.tensor)
+            slot.local = TensorParallelLocal(slot.param)
+    replace_parameters(model, replaced)

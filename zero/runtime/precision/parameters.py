@@ -5,6 +5,8 @@ keep full precision, the one-time cast of those no bucket manages, and the check
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from zero.precision import DTYPES, MixedPrecision
 
@@ -27,9 +29,34 @@ def cast_unmanaged_parameters(model: torch.nn.Module, policy: MixedPrecision, ke
     if policy.param_dtype is None:
         return
     dtype = DTYPES[policy.param_dtype]
+    replaced = {}
     for p in model.parameters():
         if p not in keep and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
+            if isinstance(p, DTensor):  # (its dtype is fixed where it was made: a new DTensor)
+                replaced[id(p)] = dtensor_like(p, p._local_tensor.detach().to(dtype))
+            else:
+                p.data = p.data.to(dtype)
+    replace_parameters(model, replaced)
+
+
+def dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A new parameter with ``param``'s placements and global shape around ``local`` (its dtype may differ: a
+    DTensor's dtype is fixed where it is made, so a cast is a new object), of ``param``'s class and ``zero``
+    attributes."""
+    spec = param._spec
+    meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
+    new = DTensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta), requires_grad=param.requires_grad)
+    new.__class__ = type(param)  # (a stage-3 guard's class too)
+    new.__dict__.update({k: v for k, v in param.__dict__.items() if k.startswith("_zero")}, _is_param=True)
+    return new
+
+
+def replace_parameters(model: torch.nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+    """Put ``replaced[id(old)]`` in place of each parameter ``old`` in every module that holds it (tied ones too)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in replaced:
+                module._parameters[name] = replaced[id(param)]
 
 
 def check_device_supports(policy: MixedPrecision, device: torch.device) -> None:
