@@ -77,7 +77,10 @@ def reference(global_batch: int, cfg: LlamaConfig = CFG, frozen: bool = False) -
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "params": _full(model)}
+    params = _full(model)
+    model.loss(*_batch(STEPS, global_batch, cfg)).backward()  # the next step's gradients: their inf-norm
+    inf = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf, norm_type=math.inf))
+    return {"losses": losses, "norms": norms, "params": params, "inf_norm": inf}
 
 
 def reference_bf16(global_batch: int) -> dict:
@@ -189,6 +192,11 @@ def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: L
     optimizer = optimizers(model) if optimizers else torch.optim.AdamW(_trainable(model, frozen), lr=LR)
     opt = ZeroOptimizer(optimizer, model, stage=stage, bucket_size_mb=BUCKET_MB, mesh=mesh["dp"], **config)
     out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    x, y = (local_slice(t, dp_rank, dp) for t in _batch(STEPS, global_batch, cfg))
+    model.loss(x, y).backward()  # the next step's gradients: their inf-norm, over dp and tp
+    out["inf_norm"] = float(opt.clip_grad_norm_(math.inf, norm_type=math.inf))
+    opt.zero_grad()
     with opt.gathered_parameters():
         params = _full(model).float()
     return out | {"params": params, "bytes": opt.model_state_bytes(), "local_numel": _local_numel(model)}

@@ -53,6 +53,14 @@ def test_trains_like_single_process(world, plan, stage):
     _like_fsdp2(out[plan, stage], out[plan, "fsdp2"], out["reference"], f"{name} {plan} stage {stage}")
 
 
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_inf_norm_is_the_largest_over_dp_and_tp(world, plan):
+    _, out = world
+    ref = out["reference"]["inf_norm"]
+    for stage in STAGES:
+        assert abs(out[plan, stage]["inf_norm"] - ref) <= NORM_RTOL * ref, (plan, stage, out[plan, stage]["inf_norm"])
+
+
 def test_fsdp2_anchor_is_exact(world):
     """The noise floor itself is small: FSDP2 + TP is exact on both plans (else the comparison proves nothing)."""
     _, out = world

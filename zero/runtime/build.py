@@ -194,7 +194,7 @@ def _check_tensor_parallel_supported(tensor_parallel: NoTensorParallel, config: 
     if tensor_parallel.size == 1:
         return
     refused = ["offload to disk" if config.offload.pages else None,
-                "hierarchical communication (HSDP, hpZ)" if levels is not None else None]
+               "hierarchical communication (HSDP, hpZ)" if levels is not None else None]
     refused = [r for r in refused if r]
     if refused:
         raise ValueError(f"zero does not yet compose tensor parallelism with {refused[0]}; with a model split by "

@@ -113,12 +113,12 @@ class TensorParallel(NoTensorParallel):
         if not self.compared:
             return
         self.compared = False
-        flag = torch.tensor([len(self.mismatched)], dtype=torch.int32, device=dp.device)
-        dp.all_reduce(flag, op="max", what="all-reduce of the tp gradient check").wait()
-        names, self.mismatched = self.mismatched, []
-        if flag.item():
+        names = [n for found in dp.all_gather_json(self.mismatched, what="all-gather of the tp gradient check")
+                 for n in found]
+        self.mismatched = []
+        if names:
             raise ValueError(
-                f"zero: the gradient of the plain (non-DTensor) parameter {(names or ['?'])[0]!r} differs across the "
+                f"zero: the gradient of the plain (non-DTensor) parameter {names[0]!r} differs across the "
                 "tp ranks of this tensor-parallel model: it is applied to each tp rank's share of the activations "
                 "(e.g. a per-head q/k norm), so its true gradient is their sum, and training it as replicated "
                 "would drift apart silently. Declare it the torch way, as a replicated DTensor whose gradient "
