@@ -295,7 +295,7 @@ def test_the_imports_go_down_the_layers():
         upward)
 
 
-RUNTIME_LAYERS = ("guards", "precision", "activations", "buffers", "stages", "offload", "step", "gathering",
+RUNTIME_LAYERS = ("guards", "precision", "activations", "buffers", "parallel", "stages", "offload", "step", "gathering",
                   "reduction")  # each imports only earlier ones
 
 

@@ -44,7 +44,7 @@ from zero.runtime.precision.parameters import (
     full_precision_parameters,
 )
 from zero.runtime.reduction.reducer import GradReducer
-from zero.runtime.reduction.tensor_parallel import NoTensorParallel, tensor_parallel_of
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel, tensor_parallel_of
 from zero.runtime.runtime import Runtime
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.step.delayed import DelayedStep

@@ -30,7 +30,7 @@ from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
-from zero.runtime.reduction.tensor_parallel import NoTensorParallel
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.inner import Inner
@@ -57,7 +57,7 @@ class Runtime:
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer
     paging: Resident  # how passes over the optimizer side walk the buckets (WindowPaging: through host memory)
-    tensor_parallel: NoTensorParallel  # the model's tp dimension (zero.runtime.reduction.tensor_parallel)
+    tensor_parallel: NoTensorParallel  # the model's tp dimension (zero.runtime.parallel.tensor_parallel)
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)

@@ -62,7 +62,7 @@ from zero.runtime.gathering.backward_pass import BackwardPass
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.reduction.reduction_order import ReductionOrder
-from zero.runtime.reduction.tensor_parallel import NoTensorParallel
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook

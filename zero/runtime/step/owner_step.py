@@ -29,7 +29,7 @@ import torch
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
 from zero.runtime.buffers.owners import Exchange, Transfer, assign_unit_owners
-from zero.runtime.reduction.tensor_parallel import NoTensorParallel
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.step.inner import Inner
 
 
