@@ -91,6 +91,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import functools
 import gc
 import importlib.metadata
 import importlib.util
@@ -317,13 +318,20 @@ class _MallInfo2(ctypes.Structure):
                                               "uordblks", "fordblks", "keepcost")]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """glibc, loaded once (loading it on every read took 25 times as long as the read: 170 us a call, after every
+    operator)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
 def in_use() -> int:
     """Bytes in use: the CUDA allocator's, or glibc's heap plus mmap'd chunks on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.memory_allocated()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    info = _libc().mallinfo2()
     return info.uordblks + info.hblkhd
 
 
@@ -385,12 +393,16 @@ def probed(chosen_specs: list[Spec], base: GPT, cfg, batch: int) -> tuple[list[S
     return kept, skipped
 
 
-def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, warmup: int, real: bool) -> None:
-    """Interleaved steps; records losses, times (max over ranks on a real group) and bytes sent."""
+def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, warmup: int, real: bool,
+              dp: tuple[int, int] | None = None) -> None:
+    """Interleaved steps; records losses, times (max over ranks on a real group) and bytes sent. ``dp``: this rank's
+    data-parallel (rank, size) when not every rank takes its own share of the batch (tensor parallelism:
+    ``compare_tp.py``); default (rank, world size)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = dp or (rank, world)
     names = list(contenders)
     for step in range(warmup + steps):
-        x, y = (local_slice(t, rank, world).to(DEVICE) for t in synthetic_batch(step, batch, cfg))
+        x, y = (local_slice(t, dp_rank, dp_size).to(DEVICE) for t in synthetic_batch(step, batch, cfg))
         k = step % len(names)
         for name in names[k:] + names[:k]:
             c = contenders[name]
@@ -412,9 +424,10 @@ def run_steps(contenders: dict[str, Contender], cfg, batch: int, steps: int, war
                 c.sent.append(sent)
 
 
-def memory(spec: Spec, base: GPT, cfg, batch: int) -> dict:
-    """Peak and model state of one contender, built alone (bytes over what was in use before it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def memory(spec: Spec, base: GPT, cfg, batch: int, dp: tuple[int, int] | None = None) -> dict:
+    """Peak and model state of one contender, built alone (bytes over what was in use before it); ``dp`` as in
+    :func:`run_steps`."""
+    rank, world = dp or (dist.get_rank(), dist.get_world_size())
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
