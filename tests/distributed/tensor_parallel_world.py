@@ -139,8 +139,10 @@ def reference_muon(global_batch: int, noise: float = 0.0) -> dict:
     return {"losses": losses, "params": _full(model)}
 
 
-def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, micro: int = 1) -> dict:
-    """``micro`` > 1: that many micro-batches per step, all but the last under ``opt.no_sync()``."""
+def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, micro: int = 1,
+           clear: bool = True) -> dict:
+    """``micro`` > 1: that many micro-batches per step, all but the last under ``opt.no_sync()``; ``clear``: the
+    gradients cleared with ``opt.zero_grad()``, else zeroed by ``model.zero_grad(set_to_none=False)``."""
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     losses, norms = [], []
     for step in range(STEPS):
@@ -155,7 +157,7 @@ def _train(model, opt, clip, mesh, global_batch: int, cfg: LlamaConfig = CFG, mi
         norm = clip()
         norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad() if clear else model.zero_grad(set_to_none=False)
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean, group=mesh["dp"].get_group())
         losses.append(float(mean) / dp)
@@ -187,11 +189,12 @@ def _clip_by_mesh(model: torch.nn.Module) -> torch.Tensor:
 
 
 def zero_tp(mesh, sequence_parallel: bool, stage: int, global_batch: int, cfg: LlamaConfig = CFG,
-            declared: bool = True, micro: int = 1, optimizers=None, frozen: bool = False, **config) -> dict:
+            declared: bool = True, micro: int = 1, optimizers=None, frozen: bool = False, clear: bool = True,
+            **config) -> dict:
     model = parallelize_module(_model(cfg), mesh["tp"], tensor_parallel_plan(_model(cfg), sequence_parallel, declared))
     optimizer = optimizers(model) if optimizers else torch.optim.AdamW(_trainable(model, frozen), lr=LR)
     opt = ZeroOptimizer(optimizer, model, stage=stage, bucket_size_mb=BUCKET_MB, mesh=mesh["dp"], **config)
-    out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro)
+    out = _train(model, opt, lambda: opt.clip_grad_norm_(CLIP), mesh, global_batch, cfg, micro, clear)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     x, y = (local_slice(t, dp_rank, dp) for t in _batch(STEPS, global_batch, cfg))
     model.loss(x, y).backward()  # the next step's gradients: their inf-norm, over dp and tp
@@ -239,6 +242,8 @@ COMPOSED = {
     "checkpointing": {"stage": 3, "activation_checkpointing": {"classes": ["LlamaBlock"]}},
     "frozen-1": {"stage": 1, "frozen": True},  # (the frozen embedding: a row-wise DTensor kept whole at stages 0-2)
     "frozen-3": {"stage": 3, "frozen": True},  # (... sharded with its unit at stage 3)
+    "zeroed-1": {"stage": 1, "clear": False},  # model.zero_grad(set_to_none=False) on the DTensor guards
+    "zeroed-2": {"stage": 2, "clear": False},
 }
 FROZEN_BF16_STAGES = (1, 3)
 
@@ -295,7 +300,18 @@ def _refusals(mesh) -> dict:
         finally:
             opt.close()
 
+    def use_grad() -> None:  # p.grad of a DTensor parameter at stage 1 holds no values: used, it says so
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=1, mesh=mesh["dp"])
+        model.loss(*(local_slice(t, mesh["dp"].get_local_rank(), mesh["dp"].size()) for t in _batch(0, 8))).backward()
+        try:
+            model.layers[0].attention.wq.weight.grad * 2
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
+        finally:
+            opt.close()
+
     return {
+        "grad_use": _error(use_grad),
         "sharded_use": _error(use_sharded),
         "overlap": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
         "both": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),

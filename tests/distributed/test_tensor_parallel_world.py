@@ -159,3 +159,4 @@ def test_refusals(world):
     assert "not both" in refusals["both"]
     assert "offload to disk" in refusals["disk"] and "tensor parallelism" in refusals["disk"]
     assert "'layers.0.attention.wq.weight' is sharded across ranks (stage 3)" in refusals["sharded_use"]
+    assert "the reduced gradient of 'layers.0.attention.wq.weight' is sharded" in refusals["grad_use"]

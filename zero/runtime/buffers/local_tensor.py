@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from zero.runtime.buffers.sharded_grad import ShardedDTensorGrad, ShardedGrad
 from zero.runtime.precision.parameters import dtensor_like, replace_parameters
 
 
@@ -64,8 +65,14 @@ class TensorParallelLocal:
         return grad._local_tensor
 
     def param_grad(self, local: torch.Tensor | None) -> torch.Tensor | None:
-        """``p.grad`` for a local gradient: a DTensor with the parameter's placements around the same object."""
-        return DTensor(local, self.spec, requires_grad=False) if local is not None else None
+        """``p.grad`` for a local gradient: a DTensor with the parameter's placements around the same object (around
+        a guard, a guarded DTensor: :class:`~zero.runtime.buffers.sharded_grad.ShardedDTensorGrad`)."""
+        if local is None:
+            return None
+        grad = DTensor(local, self.spec, requires_grad=False)
+        if isinstance(local, ShardedGrad):
+            grad.__class__ = ShardedDTensorGrad
+        return grad
 
     def partial_grad(self, grad: torch.Tensor) -> bool:
         return tuple(grad.placements) != self.placements

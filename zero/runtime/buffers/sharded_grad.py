@@ -22,11 +22,42 @@ optimizer at the next backward pass, step or clip (``GradReducer.apply_user_grad
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero.runtime.buffers.sharded_param import METADATA, cast_after_wrapping, convert_or_refuse, is_conversion, name_of
 
 _ZEROING = frozenset({"zero_", "_foreach_zero_"})
 _HARMLESS = frozenset({"detach_", "requires_grad_"})  # what zero_grad(set_to_none=False) calls first
+
+
+def _guarded(cls, func, types, args=(), kwargs=None):
+    """The ``__torch_function__`` of a gradient guard, :class:`ShardedGrad` or the DTensor around one."""
+    kwargs = kwargs or {}
+    name = name_of(func)
+    guards = [guard_of(a) for a in _flat(args, kwargs) if type(a) in _GUARDS]
+    if guards and name not in METADATA:
+        if name in _ZEROING:
+            for guard in guards:
+                guard._zero_cleared = True
+            if name == "zero_":
+                return args[0]
+            others = [t for t in args[0] if type(t) not in _GUARDS]  # _foreach_zero_(list)
+            if others:
+                torch._foreach_zero_(others)
+            return None
+        if name in _HARMLESS:
+            return args[0]
+        if is_conversion(func):
+            return convert_or_refuse(func, args, kwargs, cast_after_wrapping(guards[0]._zero_name))
+        raise RuntimeError(
+            f"zero: the reduced gradient of {guards[0]._zero_name!r} {guards[0]._zero_reason}, so p.grad "
+            f"holds no values (used in {name or func}). Clip with opt.clip_grad_norm_(max_norm) instead of "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see it; clear gradients "
+            "with opt.zero_grad() or model.zero_grad(). Stage 0 without mixed precision keeps whole "
+            "gradients in p.grad."
+        )
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 class ShardedGrad(torch.Tensor):
@@ -35,35 +66,7 @@ class ShardedGrad(torch.Tensor):
     _zero_name: str = "?"
     _zero_reason: str = "is sharded across ranks"
     _zero_cleared: bool = False
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = name_of(func)
-        guards = [a for a in _flat(args, kwargs) if type(a) is ShardedGrad]
-        if guards and name not in METADATA:
-            if name in _ZEROING:
-                for guard in guards:
-                    guard._zero_cleared = True
-                if name == "zero_":
-                    return args[0]
-                others = [t for t in args[0] if type(t) is not ShardedGrad]  # _foreach_zero_(list)
-                if others:
-                    torch._foreach_zero_(others)
-                return None
-            if name in _HARMLESS:
-                return args[0]
-            if is_conversion(func):
-                return convert_or_refuse(func, args, kwargs, cast_after_wrapping(guards[0]._zero_name))
-            raise RuntimeError(
-                f"zero: the reduced gradient of {guards[0]._zero_name!r} {guards[0]._zero_reason}, so p.grad "
-                f"holds no values (used in {name or func}). Clip with opt.clip_grad_norm_(max_norm) instead of "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see it; clear gradients "
-                "with opt.zero_grad() or model.zero_grad(). Stage 0 without mixed precision keeps whole "
-                "gradients in p.grad."
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    __torch_function__ = classmethod(_guarded)
 
     def take_zeroed(self) -> bool:
         """Whether ``zero_()`` was called on this guard since the last call (``model.zero_grad(set_to_none=False)``),
@@ -73,6 +76,22 @@ class ShardedGrad(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class ShardedDTensorGrad(DTensor):
+    """``p.grad`` of a tensor-parallel (DTensor) parameter whose reduced gradient is sharded: the DTensor around its
+    :class:`ShardedGrad`, guarded the same way (DTensor's dispatch would reach the local guard below
+    ``__torch_function__``, so the guard is on the DTensor)."""
+
+    __torch_function__ = classmethod(_guarded)
+
+
+_GUARDS = (ShardedGrad, ShardedDTensorGrad)
+
+
+def guard_of(t: torch.Tensor) -> ShardedGrad:
+    """The :class:`ShardedGrad` a guard is or holds."""
+    return t._local_tensor if type(t) is ShardedDTensorGrad else t
 
 
 def _flat(args, kwargs):
