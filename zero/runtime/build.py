@@ -37,6 +37,7 @@ from zero.runtime.materialize import InitFn, materialize, replace_meta_parameter
 from zero.runtime.offload.host import check_host_memory
 from zero.runtime.offload.paging import per_element_state
 from zero.runtime.offload.targets import paging_of, placements_of
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel, tensor_parallel_of
 from zero.runtime.precision.casts import input_casts
 from zero.runtime.precision.parameters import (
     cast_unmanaged_parameters,
@@ -44,7 +45,6 @@ from zero.runtime.precision.parameters import (
     full_precision_parameters,
 )
 from zero.runtime.reduction.reducer import GradReducer
-from zero.runtime.parallel.tensor_parallel import NoTensorParallel, tensor_parallel_of
 from zero.runtime.runtime import Runtime
 from zero.runtime.stages import Stage, Stage3, make_stage
 from zero.runtime.step.delayed import DelayedStep

@@ -28,9 +28,9 @@ from zero.runtime.gathering.release import ModelRelease
 from zero.runtime.guards.ddp import check_not_called_by_ddp
 from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
+from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
-from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.inner import Inner

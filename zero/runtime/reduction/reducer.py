@@ -61,8 +61,8 @@ from zero.runtime.buffers.placement import to_device_async
 from zero.runtime.gathering.backward_pass import BackwardPass
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
-from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
+from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook
