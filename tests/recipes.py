@@ -10,6 +10,21 @@ import torch
 from torch import nn
 
 
+class SeveralOptimizers:
+    """Several torch optimizers stepped and cleared as one (a single-process reference's ``opt``)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+
 class MasterRecipe:
     """A low-precision copy of ``model`` for forward and backward; after backward its gradients are cast
     to fp32 onto an fp32 master copy, which ``make_optimizer`` steps and which is then cast back."""

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tests.distributed.harness import global_mean
 from tests.distributed.worlds import BUCKET_MB, CFG, build_model
 from tests.readouts import flat_params, master_weights
-from tests.recipes import MasterRecipe
+from tests.recipes import MasterRecipe, SeveralOptimizers
 from zero import ZeroOptimizer
 from zero.models import GPT, local_slice, synthetic_batch
 
@@ -206,21 +206,6 @@ def unknown_optimizer(rank: int, world_size: int) -> dict:
     return out
 
 
-class _Both:
-    """Several optimizers stepped and cleared as one (the hand-built recipe's ``opt``)."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self) -> None:
-        for o in self.optimizers:
-            o.zero_grad()
-
-
 def _gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(CFG)
@@ -236,7 +221,8 @@ def bf16_recipe(rank: int, world_size: int, ddp: bool) -> torch.Tensor:
     """The hand-built bf16 recipe with Muon + AdamW on fp32 masters, in one process or under DDP."""
     model = _gpt()
     names = [n for n, _ in model.named_parameters()]
-    r = MasterRecipe(model, torch.bfloat16, lambda masters: _Both(_gpt_muon_adamw(list(zip(names, masters)))))
+    r = MasterRecipe(model, torch.bfloat16,
+                     lambda masters: SeveralOptimizers(_gpt_muon_adamw(list(zip(names, masters)))))
     forward = DistributedDataParallel(r.low) if ddp else r.low
     for step in range(STEPS):
         x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import zero
-from tests.recipes import MasterRecipe
+from tests.recipes import MasterRecipe, SeveralOptimizers
 from zero import ZeroOptimizer
 from zero.models import LlamaConfig, LlamaGPT, local_slice, synthetic_batch, tensor_parallel_plan
 
@@ -105,26 +105,11 @@ def muon_adamw(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=LR)]
 
 
-class _Both:
-    """Several torch optimizers stepped and cleared as one (the single-process reference's)."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self) -> None:
-        for o in self.optimizers:
-            o.zero_grad()
-
-
 def reference_muon(global_batch: int, noise: float = 0.0) -> dict:
     """Single-process Muon + AdamW on the global batch; ``noise``: each gradient perturbed by that relative amount
     (seeded), which measures how far rounding-level differences carry through Newton-Schulz (Muon's own noise)."""
     model = _model()
-    opt = _Both(muon_adamw(model))
+    opt = SeveralOptimizers(muon_adamw(model))
     generator = torch.Generator().manual_seed(3)
     losses = []
     for step in range(STEPS):
