@@ -9,7 +9,9 @@ of the parameters it steps whole (Muon, Adafactor, ...: :mod:`zero.checkpoint.po
 :mod:`zero.checkpoint.portable.reader`) and renames the directory into place. Loading
 (:mod:`zero.checkpoint.portable.load`), each rank reads the ranges it owns now from whichever files hold
 them, and the whole state of the parameters it owns now. Both see the model's tensors through
-:mod:`zero.checkpoint.portable.model_tensors`.
+:mod:`zero.checkpoint.portable.model_tensors`. A tensor-parallel model's checkpoint (format 4) holds each tensor as
+boxes of its global shape, one per tp rank's local tensor (:mod:`zero.checkpoint.portable.boxes`; a replicated one
+once), in parts named by the rank over dp x tp, so that it loads at any tp and dp degree, and without tp.
 
 Notes:
 
@@ -33,8 +35,8 @@ Notes:
 The modules: ``save`` and ``load``; ``reader`` (:class:`zero.checkpoint.portable.reader.Checkpoint`, what opening
 one verifies); ``schema`` (``metadata.json``); ``tensorfile`` (the safetensors layout, a tensor at a time);
 ``directory`` (where a checkpoint lives, the atomic replacement); ``tree`` (nested state as JSON); ``whole_state``
-(the state of parameters stepped whole); ``model_tensors`` (the model's tensors, and what the checkpoint reads of
-the optimizer).
+(the state of parameters stepped whole); ``model_tensors`` (the model's tensors, what the checkpoint reads of
+the optimizer, and the ranks it spans); ``boxes`` (a tensor-parallel model's boxes and reading across them).
 """
 
 from zero.checkpoint.portable.load import load_checkpoint

@@ -12,7 +12,8 @@ import torch
 
 import zero.checkpoint.portable.tree as tree
 from zero.checkpoint import optimizer_set
-from zero.checkpoint.portable.model_tensors import Checkpointable, ModelTensor, checked, describe
+from zero.checkpoint.portable.boxes import local_box, local_tensor
+from zero.checkpoint.portable.model_tensors import Checkpointable, Grid, ModelTensor, checked, describe
 from zero.checkpoint.portable.reader import Checkpoint
 from zero.checkpoint.progress import Progress, ProgressArg
 from zero.runtime.buffers.bucket import ParamSlot
@@ -41,18 +42,19 @@ def load_checkpoint(
     if optimizer is None:
         return _load_plain(path, model, progress)
     opt = checked(model, optimizer)
-    comm = opt.comm
-    ckpt = comm.everywhere(lambda: Checkpoint(path), "opening the checkpoint")
+    grid = Grid.of(opt)
+    ckpt = grid.everywhere(lambda: Checkpoint(path), "opening the checkpoint")
     try:
-        report = progress if comm.rank == 0 or callable(progress) else False
-        plan = comm.everywhere(lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
+        report = progress if grid.rank == 0 or callable(progress) else False
+        plan = grid.everywhere(lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
         opt.prepare_for_checkpoint()
         _apply(ckpt, opt, plan)
         if scheduler is not None and plan.state["scheduler"] is not None:
             scheduler.load_state_dict(plan.state["scheduler"])
-        ranks = ckpt.meta.world_size
+        ranks, tp = ckpt.meta.world_size, ckpt.meta.tensor_parallel
+        mesh = f" (dp {ranks // tp} x tp {tp})" if tp else ""
         plan.meter.finish(f"loaded {ckpt.path} "
-                          f"(saved on {ranks} rank{'s' if ranks > 1 else ''} at stage {ckpt.meta.stage})")
+                          f"(saved on {ranks} rank{'s' if ranks > 1 else ''}{mesh} at stage {ckpt.meta.stage})")
         return plan.state["extra"]
     finally:
         ckpt.close()
@@ -73,8 +75,9 @@ def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: Checkpointable, report:
     _check_optimizer(ckpt, opt, model_tensors)
     keys = ckpt.extra_keys()
     for h in model_tensors:
+        name, box = ckpt.meta.aliases.get(h.name, h.name), h.box
         for start, numel in _ranges(h, opt):
-            keys |= ckpt.keys_of(h.name, start, numel, state=h.slot is not None and h.slot.bucket.trainable)
+            keys |= ckpt.keys_of(name, start, numel, state=h.slot is not None and h.slot.bucket.trainable, box=box)
     for slot, _ in opt.runtime.owners.owned():  # the whole parameters this rank steps: their state
         keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(slot.name, slot.name))
     meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
@@ -122,7 +125,7 @@ def _check_optimizer(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[
     """The same optimizers (classes, order, step paths, param groups; one elementwise optimizer's class only
     matters when the checkpoint holds its state), and every trainable parameter in the same param group."""
     saved, here = ckpt.meta.optimizer_records(), optimizer_set.records(opt.runtime.inners)
-    has_state = any(p.state for pieces in ckpt.pieces.values() for p in pieces) or any(
+    has_state = any(p.state for boxes in ckpt.boxes.values() for b in boxes for p in b.pieces) or any(
         t.whole_state is not None for t in ckpt.tensors.values())
     if has_state or len(saved) > 1 or len(here) > 1 or "whole" in {o["path"] for o in [*saved, *here]}:
         optimizer_set.check_same(saved, here, str(ckpt.path), paths=has_state)
@@ -136,9 +139,10 @@ def _check_optimizer(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[
 
 
 def _ranges(h: ModelTensor, opt: Checkpointable) -> list[tuple[int, int]]:
-    """The element ranges of ``h`` this rank holds: its pieces in its bucket's chunk, or all of it."""
+    """The element ranges of ``h`` this rank holds (of its local tensor): its pieces in its bucket's chunk, or all of
+    it."""
     if h.slot is None:
-        return [(0, h.tensor.numel())]
+        return [(0, local_tensor(h.tensor).numel())]
     bucket = h.slot.bucket
     return [(p.param_start, p.numel) for p in bucket.layout.pieces(bucket.shard_index)
             if p.param_index == h.slot.span.param_index]
@@ -149,15 +153,16 @@ def _apply(ckpt: Checkpoint, opt: Checkpointable, plan: LoadPlan) -> None:
     aliases = ckpt.meta.aliases
     with torch.no_grad():
         for h in plan.model_tensors:
-            name = aliases.get(h.name, h.name)
+            name, box = aliases.get(h.name, h.name), h.box
             if h.slot is None:
-                ckpt.read(name, 0, h.tensor.numel(), h.tensor.data.view(-1))
+                local = local_tensor(h.tensor)
+                ckpt.read(name, 0, local.numel(), local.data.view(-1), box=box)
                 continue
             bucket = h.slot.bucket
             target = bucket.master if bucket.trainable else bucket.shard
             for p in bucket.layout.pieces(bucket.shard_index):
                 if p.param_index == h.slot.span.param_index:
-                    ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel))
+                    ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel), box=box)
     states = [_inner_state(ckpt, opt, inner, plan.state["param_groups"]) for inner in opt.runtime.inners]
     opt.finish_load(states[0] if len(states) == 1 else states, plan.state["loss_scale"])
 
@@ -179,7 +184,8 @@ def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, hyper: lis
             else:
                 piece = piece_of[id(tensor)]
                 saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
-                                        piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece))
+                                        piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece),
+                                        box=local_box(piece.slot.param))
             if saved:
                 state[index] = saved
             ids.append(index)
@@ -189,19 +195,20 @@ def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, hyper: lis
 
 
 def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: ProgressArg) -> Any:
-    """Weights only, into an unwrapped model (one process)."""
+    """Weights only, into an unwrapped model (one process; or each rank of a tensor-parallel one its boxes)."""
     with Checkpoint(path) as ckpt:
         sd = model.state_dict(keep_vars=True)
         _check_names(ckpt, {name: tuple(tensor.shape) for name, tensor in sd.items()})
         names = {name: ckpt.meta.aliases.get(name, name) for name in sd}
         keys = ckpt.extra_keys()
-        for name in set(names.values()):
-            keys |= ckpt.keys_of(name, 0, ckpt.numel(name), state=False)
+        for name, tensor in sd.items():
+            keys |= ckpt.keys_of(names[name], 0, local_tensor(tensor).numel(), state=False, box=local_box(tensor))
         meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
         ckpt.verify(keys, on_bytes=meter.advance)
         state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
         with torch.no_grad():
             for name, tensor in sd.items():
-                ckpt.read(names[name], 0, tensor.numel(), tensor.data.view(-1))
+                local = local_tensor(tensor)
+                ckpt.read(names[name], 0, local.numel(), local.data.view(-1), box=local_box(tensor))
         meter.finish(f"loaded the weights of {ckpt.path}")
         return state["extra"]

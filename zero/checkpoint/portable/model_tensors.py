@@ -1,16 +1,18 @@
 """The model's tensors as a portable checkpoint sees them (:mod:`zero.checkpoint.portable`): each ``state_dict``
 tensor once, managed in a bucket or kept whole, with its other names (tied parameters); and what the checkpoint
-reads and calls of the ``ZeroOptimizer`` (:class:`Checkpointable`). Shared by the save
-(:mod:`zero.checkpoint.portable.save`) and the load (:mod:`zero.checkpoint.portable.load`)."""
+reads and calls of the ``ZeroOptimizer`` (:class:`Checkpointable`); the ranks a checkpoint spans (:class:`Grid`: dp,
+times tp for a tensor-parallel model). Shared by the save (:mod:`zero.checkpoint.portable.save`) and the load
+(:mod:`zero.checkpoint.portable.load`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 import zero.checkpoint.portable.tensorfile as tensorfile
+from zero.checkpoint.portable.boxes import Box, local_box
 from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
@@ -56,13 +58,19 @@ class ModelTensor:
         bucket = self.slot.bucket
         return bucket.master.dtype if bucket.trainable else bucket.shard.dtype
 
-    def record(self) -> dict[str, Any]:
-        """Its ``tensors`` entry in the metadata (:class:`zero.checkpoint.portable.schema.TensorRecord`), pieces to
-        come."""
+    @property
+    def box(self) -> Box | None:
+        """The box of its global shape this rank holds (a DTensor's local tensor), or None: all of it."""
+        return local_box(self.tensor)
+
+    def record(self, boxes: bool = False) -> dict[str, Any]:
+        """Its ``tensors`` entry in the metadata (:class:`zero.checkpoint.portable.schema.TensorRecord`), pieces (or
+        with ``boxes``, format 4's boxes) to come."""
         trainable = self.slot is not None and self.slot.bucket.trainable
         return {
             "kind": self.kind, "shape": list(self.tensor.shape), "dtype": tensorfile.dtype_code(self.saved_dtype),
-            "trainable": trainable, "group": self.slot.group_index if trainable else -1, "pieces": [],
+            "trainable": trainable, "group": self.slot.group_index if trainable else -1,
+            ("boxes" if boxes else "pieces"): [],
         }
 
 
@@ -96,11 +104,45 @@ def checked(model: torch.nn.Module, optimizer: Any) -> Checkpointable:
                          f"{type(optimizer).__name__}; wrap it in zero.ZeroOptimizer first")
     if optimizer.module is not model:
         raise ValueError("this ZeroOptimizer was built for another model; pass the model it wraps")
-    if optimizer.runtime.tensor_parallel.size > 1:
-        raise ValueError(
-            "portable checkpoints of a tensor-parallel model (DTensor parameters from parallelize_module) are not "
-            "written yet: their pieces would have to be boxes of the global tensors. Save each rank's shard with "
-            "opt.state_dict() and the model with torch.distributed.checkpoint (DCP) instead, and load them on the "
-            "same dp x tp mesh (docs/parallelism.md)."
-        )
     return optimizer
+
+
+@dataclass
+class Grid:
+    """The ranks a checkpoint spans: the dp group zero shards over (``dp``) times, for a tensor-parallel model, the
+    model's tp group (``tp``; else None). Rank ``dp rank x tp degree + tp rank`` of ``dp x tp`` writes that part, so
+    two tp ranks never write the same file."""
+
+    dp: Communicator
+    tp: Communicator | None = None
+
+    @staticmethod
+    def of(opt: Checkpointable) -> "Grid":
+        tensor_parallel = opt.runtime.tensor_parallel
+        return Grid(opt.comm, tensor_parallel.comm if tensor_parallel.size > 1 else None)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp is None else self.tp.rank
+
+    @property
+    def rank(self) -> int:
+        return self.dp.rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp.world_size * self.tp_size
+
+    def everywhere(self, fn: Callable[[], Any], what: str, *, share: bool = False) -> Any:
+        """:meth:`zero.comm.communicator.Communicator.everywhere` over dp, then over tp: an error on any rank of the
+        grid is raised on all of them. With ``share``: every rank's result, by its rank in the grid."""
+        if self.tp is None:
+            return self.dp.everywhere(fn, what, share=share)
+        outcome = self.tp.everywhere(lambda: self.dp.everywhere(fn, what, share=share), what, share=share)
+        if not share:
+            return outcome
+        return [outcome[t][d] for d in range(self.dp.world_size) for t in range(self.tp_size)]

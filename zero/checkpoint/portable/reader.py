@@ -1,6 +1,7 @@
 """The portable checkpoint's reader (:class:`Checkpoint`): one directory, read back at any world size and stage.
 
-Layout (``zero.checkpoint/2``, and ``/3`` with several optimizers or whole-parameter ones)::
+Layout (``zero.checkpoint/2``, ``/3`` with several optimizers or whole-parameter ones, ``/4`` for a tensor-parallel
+model)::
 
     CHECKPOINT/
       metadata.json                          what is where, the run that saved it, checksums
@@ -16,6 +17,10 @@ state name: key}]``. A piece is what one rank owned when it saved (a chunk of a 
 (``exp_avg``, ``step``, ...) lies beside it, 1D of the piece's length or 0-dim. Loading reads, for
 each range a rank owns now, the intersecting ranges of the saved pieces: any world size, any stage.
 Tied parameters are stored once, under their first name, with their other names in ``aliases``.
+Format 4 (a tensor-parallel model) records *boxes* of each tensor's global shape instead (DCP's chunks: an offset
+and a size, what one tp rank holds; :mod:`zero.checkpoint.portable.boxes`), each with its pieces, 1D ranges of the
+box's row-major order; a load reads each range of its own box from the saved boxes it meets (:meth:`Checkpoint.read`
+with ``box``). Formats 2 and 3 are read as one box, the whole tensor.
 A parameter stepped whole (Muon, Adafactor, ...) keeps its values in pieces like any other, and its
 optimizer state whole, as its owner wrote it (``whole_state``: :mod:`zero.checkpoint.portable.whole_state`),
 read back by whichever rank owns it at load.
@@ -52,6 +57,7 @@ from pydantic import ValidationError
 import zero.checkpoint.portable.tensorfile as tensorfile
 import zero.checkpoint.portable.tree as tree
 import zero.checkpoint.portable.whole_state as whole_state
+from zero.checkpoint.portable.boxes import Box, Move, moves
 from zero.checkpoint.portable.directory import CHECKSUM, METADATA, resolve
 from zero.checkpoint.portable.schema import FORMATS, CheckpointMetadata, TensorRecord, entries_of, summary
 from zero.checkpoint.portable.tensorfile import numel_of
@@ -72,6 +78,19 @@ class SavedPiece:
         return self.start + self.numel
 
 
+@dataclass(frozen=True)
+class SavedBox:
+    """A box of a saved tensor's global shape and its pieces, 1D ranges of the box's row-major order (formats 2 and
+    3: the whole tensor, one box)."""
+
+    box: Box
+    pieces: list[SavedPiece]
+
+    def overlapping(self, start: int, numel: int) -> list[SavedPiece]:
+        """The pieces that intersect elements ``[start, start + numel)`` of the box."""
+        return [p for p in self.pieces if p.start < start + numel and start < p.end]
+
+
 class Checkpoint:
     """An opened checkpoint directory, every check of the module docstring passed (the tensors' CRCs are
     checked as they are read or verified)."""
@@ -82,7 +101,7 @@ class Checkpoint:
         self.files = [self.path / f.name for f in self.meta.files]
         self.entries = [entries_of(f) for f in self.meta.files]
         self.tensors: dict[str, TensorRecord] = self.meta.tensors
-        self.pieces = {name: [SavedPiece(*p) for p in t.pieces] for name, t in self.tensors.items()}
+        self.boxes = {name: _boxes_of(t) for name, t in self.tensors.items()}
         self._handles: dict[int, BinaryIO] = {}
         self._maps: dict[int, mmap.mmap] = {}
         try:
@@ -123,21 +142,38 @@ class Checkpoint:
 
     # ----- reading ---------------------------------------------------------------------------------------
 
-    def overlapping(self, name: str, start: int, numel: int) -> list[SavedPiece]:
-        """The saved pieces of ``name`` that intersect elements ``[start, start + numel)``."""
-        return [p for p in self.pieces[name] if p.start < start + numel and start < p.end]
+    def moves(self, name: str, start: int, numel: int, box: Box | None = None) -> list[tuple[SavedBox, Move]]:
+        """How elements ``[start, start + numel)`` of box ``box`` of saved tensor ``name`` (None: the whole tensor; the
+        box's row-major order) are read: each saved box they meet, and the range of it that holds them."""
+        saved = self.boxes[name]
+        target = box if box is not None else Box.whole(self.tensors[name].shape)
+        return [(saved[m.saved], m) for m in moves([b.box for b in saved], target, start, numel)]
 
-    def read(self, name: str, start: int, numel: int, out: torch.Tensor, *, check: bool = False) -> None:
-        """Copy elements ``[start, start + numel)`` of saved tensor ``name`` into ``out`` (1D, any device/dtype).
-        With ``check``, the CRC of each saved piece read whole is compared with the recorded one (for readers
-        that did not :meth:`verify` first)."""
-        for piece in self.overlapping(name, start, numel):
-            lo, hi = max(start, piece.start), min(start + numel, piece.end)
-            crc = self._read_into(piece.file, piece.value, lo - piece.start, out.narrow(0, lo - start, hi - lo),
-                                  crc=check)
-            recorded = self.entries[piece.file][piece.value].crc32
-            if check and crc is not None and crc != recorded:
-                raise ValueError(self._corrupted(piece.file, piece.value, crc, recorded))
+    def read(self, name: str, start: int, numel: int, out: torch.Tensor, *, box: Box | None = None,
+             check: bool = False) -> None:
+        """Copy elements ``[start, start + numel)`` of box ``box`` of saved tensor ``name`` (None: the whole tensor;
+        in the box's row-major order) into ``out`` (1D, any device/dtype). With ``check``, the CRC of each saved piece
+        read whole is compared with the recorded one (for readers that did not :meth:`verify` first)."""
+        self._copy(name, start, numel, out, box, None, check)
+
+    def _copy(self, name: str, start: int, numel: int, out: torch.Tensor, box: Box | None, state: str | None,
+              check: bool = False) -> None:
+        """:meth:`read` of the values (``state`` None) or of the optimizer state ``state``."""
+        for saved, move in self.moves(name, start, numel, box):
+            pieces = saved.overlapping(move.start, move.numel)
+            keys = [piece.value if state is None else piece.state[state] for piece in pieces]
+            target = move.target(out)
+            span = target if move.direct else torch.empty(move.numel, dtype=self.entries[pieces[0].file][keys[0]]
+                                                          .torch_dtype)
+            for piece, key in zip(pieces, keys):
+                lo, hi = max(move.start, piece.start), min(move.start + move.numel, piece.end)
+                crc = self._read_into(piece.file, key, lo - piece.start, span.narrow(0, lo - move.start, hi - lo),
+                                      crc=check)
+                recorded = self.entries[piece.file][key].crc32
+                if check and crc is not None and crc != recorded:
+                    raise ValueError(self._corrupted(piece.file, key, crc, recorded))
+            if not move.direct:
+                target.copy_(move.source(span, saved.box))
 
     def numel(self, name: str) -> int:
         return numel_of(self.tensors[name].shape)
@@ -150,12 +186,14 @@ class Checkpoint:
         return out.view(record.shape)
 
     def read_state(
-        self, name: str, start: int, numel: int, into: StateTarget | None = None
+        self, name: str, start: int, numel: int, into: StateTarget | None = None, box: Box | None = None
     ) -> dict[str, torch.Tensor]:
-        """The optimizer state of elements ``[start, start + numel)`` of ``name``: each state tensor cut to that
-        range (0-dim ones, such as ``step``, from the first piece). Empty when it was saved without state.
-        ``into(key, dtype)`` may give the tensor to read a state key into (offload to disk: its region of the file)."""
-        pieces = self.overlapping(name, start, numel)
+        """The optimizer state of elements ``[start, start + numel)`` of box ``box`` of ``name`` (None: the whole
+        tensor): each state tensor cut to that range (0-dim ones, such as ``step``, from the first piece). Empty when
+        it was saved without state. ``into(key, dtype)`` may give the tensor to read a state key into (offload to
+        disk: its region of the file)."""
+        pieces = [p for saved, move in self.moves(name, start, numel, box) for p in saved.overlapping(move.start,
+                                                                                                       move.numel)]
         names = {tuple(sorted(p.state)) for p in pieces}
         if len(names) != 1:
             raise ValueError(f"{self.path}: the pieces of {name!r} carry different optimizer state "
@@ -168,9 +206,7 @@ class Checkpoint:
                 continue
             out = into(key, first.torch_dtype) if into is not None else None
             out = torch.empty(numel, dtype=first.torch_dtype) if out is None else out
-            for piece in pieces:
-                lo, hi = max(start, piece.start), min(start + numel, piece.end)
-                self._read_into(piece.file, piece.state[key], lo - piece.start, out.narrow(0, lo - start, hi - lo))
+            self._copy(name, start, numel, out, box, key)
             state[key] = out
         return state
 
@@ -204,13 +240,14 @@ class Checkpoint:
 
     # ----- verifying -------------------------------------------------------------------------------------
 
-    def keys_of(self, name: str, start: int, numel: int, state: bool) -> set[tuple[int, str]]:
-        """The ``(file, key)`` entries that reading this range (and its state) touches."""
+    def keys_of(self, name: str, start: int, numel: int, state: bool, box: Box | None = None) -> set[tuple[int, str]]:
+        """The ``(file, key)`` entries that reading this range of ``box`` (and its state) touches."""
         keys = set()
-        for piece in self.overlapping(name, start, numel):
-            keys.add((piece.file, piece.value))
-            if state:
-                keys.update((piece.file, key) for key in piece.state.values())
+        for saved, move in self.moves(name, start, numel, box):
+            for piece in saved.overlapping(move.start, move.numel):
+                keys.add((piece.file, piece.value))
+                if state:
+                    keys.update((piece.file, key) for key in piece.state.values())
         return keys
 
     def verify(self, keys: set[tuple[int, str]], on_bytes: Callable[[int], None] | None = None) -> None:
@@ -246,6 +283,13 @@ class Checkpoint:
         if file not in self._handles:
             self._handles[file] = open(self.files[file], "rb")
         return self._handles[file]
+
+
+def _boxes_of(record: TensorRecord) -> list[SavedBox]:
+    """A saved tensor's boxes: as recorded (format 4), or the whole tensor in one box (formats 2 and 3)."""
+    if record.boxes is None:
+        return [SavedBox(Box.whole(record.shape), [SavedPiece(*p) for p in record.pieces])]
+    return [SavedBox(Box(tuple(b.offset), tuple(b.size)), [SavedPiece(*p) for p in b.pieces]) for b in record.boxes]
 
 
 def read_metadata(directory: Path) -> CheckpointMetadata:

@@ -16,8 +16,9 @@ import zero.checkpoint.portable.tensorfile as tensorfile
 import zero.checkpoint.portable.tree as tree
 import zero.checkpoint.portable.whole_state as whole_state
 from zero.checkpoint import optimizer_set
-from zero.checkpoint.portable.model_tensors import Checkpointable, ModelTensor, checked, describe
-from zero.checkpoint.portable.schema import FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
+from zero.checkpoint.portable.boxes import Box, label, local_tensor, replicated
+from zero.checkpoint.portable.model_tensors import Checkpointable, Grid, ModelTensor, checked, describe
+from zero.checkpoint.portable.schema import BOXES_FORMAT, FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
 from zero.checkpoint.portable.tensorfile import Spec
 from zero.checkpoint.progress import Progress, ProgressArg
 from zero.comm.communicator import Communicator
@@ -60,7 +61,7 @@ def save_checkpoint(
 
 def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, scheduler: Any, extra: Any,
           progress: ProgressArg) -> Path:
-    comm = opt.comm
+    grid = Grid.of(opt)
     final = Path(path)
     partial, _ = checkpoint_directory.siblings(final)
     opt.prepare_for_checkpoint()
@@ -71,37 +72,48 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, 
                  "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
         tensors: list[torch.Tensor] = []
         encoded = tree.encode(state, tensors)  # on every rank: a bad ``extra`` fails everywhere, before any write
-        writes, placed = _my_writes(opt, model_tensors)
-        if comm.rank == 0:
+        writes, placed = _my_writes(opt, grid, model_tensors)
+        if grid.rank == 0:
             writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
             checkpoint_directory.prepare(final)
         return model_tensors, aliases, encoded, writes, placed
 
-    model_tensors, aliases, encoded, writes, placed = comm.everywhere(prepare, "preparing the save")
-    report = progress if comm.rank == 0 or callable(progress) else False
+    model_tensors, aliases, encoded, writes, placed = grid.everywhere(prepare, "preparing the save")
+    report = progress if grid.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
-    manifests = comm.everywhere(lambda: _write_part(partial, comm, writes, placed, meter), "writing its part",
+    manifests = grid.everywhere(lambda: _write_part(partial, grid, writes, placed, meter), "writing its part",
                                 share=True)
     optimizers = optimizer_set.records(opt.runtime.inners)
     one_flat = len(optimizers) == 1 and optimizers[0]["path"] == "flat"  # format 2, as before format 3
+    boxed = grid.tp is not None  # format 4: a tensor-parallel model's tensors as boxes of their global shapes
     meta = {
-        "format": FORMAT if one_flat else OPTIMIZERS_FORMAT, "zero_version": __version__,
-        "torch_version": torch.__version__, "world_size": comm.world_size, "stage": opt.config.stage,
+        "format": BOXES_FORMAT if boxed else FORMAT if one_flat else OPTIMIZERS_FORMAT, "zero_version": __version__,
+        "torch_version": torch.__version__, "world_size": grid.world_size,
+        **({"tensor_parallel": grid.tp_size} if boxed else {}), "stage": opt.config.stage,
         "config": opt.config.model_dump(mode="json"), "optimizer_class": " + ".join(o["class"] for o in optimizers),
         "step": max(m["step"] for m in manifests),
-        "tensors": {h.name: h.record() for h in model_tensors}, "aliases": aliases, "state": encoded,
-        "files": [{"name": part_name(r, comm.world_size), "bytes": m["bytes"], "entries": m["entries"]}
+        "tensors": {h.name: h.record(boxed) for h in model_tensors}, "aliases": aliases, "state": encoded,
+        "files": [{"name": part_name(r, grid.world_size), "bytes": m["bytes"], "entries": m["entries"]}
                   for r, m in enumerate(manifests)],
-        **({} if one_flat else {"optimizers": optimizers}),
+        **({} if one_flat and not boxed else {"optimizers": optimizers}),
     }
+    boxes: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
     for rank, manifest in enumerate(manifests):
         for name, records in manifest["pieces"].items():
-            meta["tensors"][name]["pieces"].extend([rank, *record] for record in records)
+            pieces = [[rank, *record] for record in records]
+            if not boxed:
+                meta["tensors"][name]["pieces"].extend(pieces)
+                continue
+            offset, size = manifest["boxes"][name]
+            if (name, tuple(offset)) not in boxes:
+                boxes[name, tuple(offset)] = {"offset": offset, "size": size, "pieces": []}
+                meta["tensors"][name]["boxes"].append(boxes[name, tuple(offset)])
+            boxes[name, tuple(offset)]["pieces"].extend(pieces)
         for name, record in manifest["whole"].items():
             meta["tensors"][name]["whole_state"] = {"file": rank, **record}
-    note = comm.everywhere(lambda: _publish(partial, final, meta) if comm.rank == 0 else None,
+    note = grid.everywhere(lambda: _publish(partial, final, meta) if grid.rank == 0 else None,
                            "publishing the checkpoint")
-    parts = f"{comm.world_size} part{'s' if comm.world_size > 1 else ''}"
+    parts = f"{grid.world_size} part{'s' if grid.world_size > 1 else ''}"
     meter.finish(f"saved {final} ({parts}{'; ' + note if note else ''})")
     return final
 
@@ -109,14 +121,23 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, 
 Write = tuple[Spec, Callable[[], torch.Tensor]]
 
 
-def _my_writes(opt: Checkpointable, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict[str, Any]]:
+def _my_writes(opt: Checkpointable, grid: Grid, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict]:
     """What this rank writes: its chunk of each bucket it writes (values and the flat optimizer state, piece by
     piece), its share of the tensors kept whole, and the optimizer state of the whole parameters it writes; and
     where they go in the metadata: ``{"pieces": {tensor name: [[start, numel, value key, {state name: key}], ...]},
-    "whole": {parameter name: {"keys", "tree"}}}``."""
-    comm = opt.comm
+    "whole": {parameter name: {"keys", "tree"}}}``. A tensor-parallel model's (format 4): pieces of each tensor's
+    local box, keys with the box's offset (``v/NAME/OFFSET/START``), ``"boxes": {tensor name: [offset, size]}``; a
+    replicated tensor (plain, or ``Replicate()``) and the whole-parameter state (each tp rank's owner steps the global
+    tensor) are written by tp rank 0 alone."""
+    comm, boxed = opt.comm, grid.tp is not None
     writes: list[Write] = []
     pieces: dict[str, list] = {}
+    boxes: dict[str, list] = {}
+    mine = {h.name for h in model_tensors if not boxed or grid.tp_rank == 0 or not replicated(h.tensor)}
+    for h in model_tensors:
+        if boxed and h.name in mine:
+            box = h.box or Box.whole(h.tensor.shape)
+            boxes[h.name] = [list(box.offset), list(box.size)]
     flat_state = [inner.optimizer.state for inner in opt.runtime.inners if not inner.whole]
     for bucket in opt.buckets:
         if _writer(bucket, comm) != comm.rank:
@@ -126,7 +147,9 @@ def _my_writes(opt: Checkpointable, model_tensors: list[ModelTensor]) -> tuple[l
         local = {(p.slot.name, p.piece.param_start): p.tensor for p in bucket.pieces}
         for piece in bucket.layout.pieces(bucket.shard_index):
             slot = slot_of[piece.param_index]
-            key = f"{slot.name}/{piece.param_start}"
+            if slot.name not in mine:
+                continue
+            key = f"{slot.name}/{_box_key(boxes, slot.name)}{piece.param_start}"
             values = source.narrow(0, piece.chunk_start, piece.numel)
             writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
             tensor = local.get((slot.name, piece.param_start))
@@ -140,15 +163,22 @@ def _my_writes(opt: Checkpointable, model_tensors: list[ModelTensor]) -> tuple[l
             pieces.setdefault(slot.name, []).append(record)
     whole = [h for h in model_tensors if h.slot is None]
     for i, h in enumerate(whole):
-        if i % comm.world_size == comm.rank:
-            writes.append((Spec(f"w/{h.name}", h.tensor.dtype, tuple(h.tensor.shape)), lambda t=h.tensor: t.detach()))
-            pieces[h.name] = [[0, h.tensor.numel(), f"w/{h.name}", {}]]
+        values = local_tensor(h.tensor).detach()
+        if i % comm.world_size == comm.rank and h.name in mine and (values.numel() or not boxed):
+            key = f"w/{h.name}" + (f"/{_box_key(boxes, h.name)[:-1]}" if boxed else "")
+            writes.append((Spec(key, values.dtype, tuple(values.shape)), lambda t=values: t))
+            pieces[h.name] = [[0, values.numel(), key, {}]]
     whole = {}
-    for name, state, optimizer in _whole_states(opt):
+    for name, state, optimizer in _whole_states(opt) if grid.tp_rank == 0 else []:  # the same on every tp rank
         record, tensors = whole_state.encode(state, name, optimizer_set.class_name(optimizer))
         writes += [(Spec(key, t.dtype, tuple(t.shape)), lambda t=t: t) for key, t in zip(record["keys"], tensors)]
         whole[name] = record
-    return writes, {"pieces": pieces, "whole": whole}
+    return writes, {"pieces": pieces, "whole": whole, **({"boxes": boxes} if boxed else {})}
+
+
+def _box_key(boxes: dict[str, list], name: str) -> str:
+    """Format 4: the offset of ``name``'s box in its entry keys (``16,0/``); else nothing."""
+    return f"{label(boxes[name][0])}/" if name in boxes else ""
 
 
 def _whole_states(opt: Checkpointable) -> list[tuple[str, dict, torch.optim.Optimizer]]:
@@ -178,11 +208,11 @@ def _writer(bucket: Bucket, comm: Communicator) -> int:
     return bucket.shard_index if bucket.layout.num_shards > 1 else bucket.index % comm.world_size
 
 
-def _write_part(partial: Path, comm: Communicator, writes: list[Write], placed: dict[str, Any],
+def _write_part(partial: Path, grid: Grid, writes: list[Write], placed: dict[str, Any],
                 meter: Progress) -> dict[str, Any]:
     """Write this rank's file; return its manifest (entries, pieces by tensor name, whole-parameter state by
-    parameter name, size, largest ``step``)."""
-    file = partial / part_name(comm.rank, comm.world_size)
+    parameter name, boxes by tensor name in format 4, size, largest ``step``)."""
+    file = partial / part_name(grid.rank, grid.world_size)
     specs = [spec for spec, _ in writes]
     entries = tensorfile.write(file, specs, (make() for _, make in writes), on_bytes=meter.advance).entries
     steps = [float(make()) for spec, make in writes if spec.key.startswith("s/") and spec.key.endswith("/step")]
@@ -196,7 +226,10 @@ def _publish(partial: Path, final: Path, meta: dict[str, Any]) -> str | None:
     """Write the metadata last, then rename the directory into place (the old checkpoint set aside meanwhile).
     What is written must pass the schema a load checks (an internal invariant: a save that succeeds loads)."""
     for record in meta["tensors"].values():
-        record["pieces"].sort(key=lambda p: p[1])
+        for box in record.get("boxes", [record]):
+            box["pieces"].sort(key=lambda p: p[1])
+        if "boxes" in record:
+            record["boxes"].sort(key=lambda b: b["offset"])
     text = json.dumps(meta).encode()
     CheckpointMetadata.model_validate_json(text, strict=True)
     return checkpoint_directory.publish(partial, final, text)

@@ -1,9 +1,13 @@
-"""The schema of a portable checkpoint's ``metadata.json`` (formats ``zero.checkpoint/2`` and ``/3``), checked with
-pydantic. Format 2 is one elementwise optimizer's (its state per piece); format 3 adds ``optimizers`` (each wrapped
+"""The schema of a portable checkpoint's ``metadata.json`` (formats ``zero.checkpoint/2``, ``/3`` and ``/4``), checked
+with pydantic. Format 2 is one elementwise optimizer's (its state per piece); format 3 adds ``optimizers`` (each wrapped
 optimizer's class, step path and number of param groups, :mod:`zero.checkpoint.optimizer_set`) and, for the
 parameters stepped whole, their state in the parameter's own shape (``whole_state``,
 :mod:`zero.checkpoint.portable.whole_state`). A save writes format 2 whenever it can, so a checkpoint of one elementwise
-optimizer is the same as before format 3 existed.
+optimizer is the same as before format 3 existed. Format 4, a tensor-parallel model's, is format 3 with
+``tensor_parallel`` (the tp degree: ``world_size`` is dp x tp) and, for each tensor, ``boxes`` of its global shape
+instead of ``pieces`` (:mod:`zero.checkpoint.portable.boxes`), each box with pieces of its own row-major order, keys
+carrying its offset (``v/NAME/OFFSET/START``); a parameter stepped whole keeps its state whole, in its global shape,
+as in format 3 (every tp rank's owner steps, and holds the state of, the global tensor).
 
 :class:`CheckpointMetadata` checks each field's type and range, and then that the fields agree with
 one another, before anything is read from the parts or allocated:
@@ -18,6 +22,8 @@ one another, before anything is read from the parts or allocated:
   whole-path optimizer have it (and those of a flat one only per piece); every entry is read by exactly
   one piece (or one tensor of ``extra`` or of a whole parameter's state), so what a load allocates is
   bounded by what the files hold;
+* format 4: every box has the tensor's dimensions, holds elements and lies inside its shape, the boxes tile the
+  tensor (no two meet), and the pieces tile each box;
 * tied names point at stored tensors, and every tensor that ``state`` refers to is stored.
 
 A :class:`pydantic.ValidationError` (a ``ValueError``) says which field is wrong;
@@ -30,11 +36,13 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from zero.checkpoint.portable.boxes import Box, check_tiling
 from zero.checkpoint.portable.tensorfile import DTYPES, Entry, numel_of
 
 FORMAT = "zero.checkpoint/2"  # one elementwise optimizer: what every save wrote before several optimizers
 OPTIMIZERS_FORMAT = "zero.checkpoint/3"  # several optimizers, or whole-parameter ones
-FORMATS = (FORMAT, OPTIMIZERS_FORMAT)  # what a load reads
+BOXES_FORMAT = "zero.checkpoint/4"  # a tensor-parallel model's: each tensor as boxes of its global shape
+FORMATS = (FORMAT, OPTIMIZERS_FORMAT, BOXES_FORMAT)  # what a load reads
 MAX_COUNT = 2**63 - 1  # file offsets and sizes: what a seek takes
 
 
@@ -77,15 +85,26 @@ class WholeState(_Strict):
     layouts: dict[str, list[Annotated[int, Field(ge=0, le=64)]]] = {}
 
 
+class BoxRecord(_Strict):
+    """Format 4: a box of a tensor's global shape (DCP's chunk: its offsets and sizes), and its elements as pieces,
+    1D ranges of the box's row-major order."""
+
+    offset: tuple[Count, ...]
+    size: tuple[Count, ...]
+    pieces: list[PieceRecord]
+
+
 class TensorRecord(_Strict):
-    """One tensor of the model's ``state_dict``, stored once (tied names are ``aliases``)."""
+    """One tensor of the model's ``state_dict``, stored once (tied names are ``aliases``): as pieces of the whole
+    tensor (formats 2 and 3) or as boxes of it (format 4)."""
 
     kind: Literal["param", "buffer"]
     shape: tuple[Count, ...]
     dtype: DtypeCode
     trainable: bool
     group: Annotated[int, Field(ge=-1)]
-    pieces: list[PieceRecord]
+    pieces: list[PieceRecord] | None = None  # formats 2 and 3
+    boxes: list[BoxRecord] | None = None  # format 4
     whole_state: WholeState | None = None  # format 3, a parameter of a whole-path optimizer that has state
 
 
@@ -115,10 +134,11 @@ class SavedState(_Strict):
 class CheckpointMetadata(_Strict):
     """``metadata.json``: the run that saved the checkpoint and where every tensor lies."""
 
-    format: Literal["zero.checkpoint/2", "zero.checkpoint/3"]
+    format: Literal["zero.checkpoint/2", "zero.checkpoint/3", "zero.checkpoint/4"]
     zero_version: str
     torch_version: str
     world_size: Annotated[int, Field(ge=1, le=2**20)]
+    tensor_parallel: Annotated[int, Field(ge=2, le=2**20)] | None = None  # format 4: the tp degree (world: dp x tp)
     stage: Annotated[int, Field(ge=0, le=3)]
     config: dict[str, Any]
     optimizer_class: str
@@ -153,8 +173,14 @@ class CheckpointMetadata(_Strict):
                     raise ValueError(f"entry {key!r} of {file.name} lies at bytes [{offset}, {offset + nbytes}), "
                                      f"outside the file's {file.bytes}")
         paths = self._check_optimizers()
+        self._check_layout()
         for name, tensor in self.tensors.items():
-            self._check_pieces(name, tensor, read)
+            if tensor.boxes is None:
+                self._check_pieces(name, tensor, tensor.pieces, None, read)
+            else:
+                check_tiling(name, tuple(tensor.shape), [Box(tuple(b.offset), tuple(b.size)) for b in tensor.boxes])
+                for box in tensor.boxes:
+                    self._check_pieces(name, tensor, box.pieces, box, read)
             self._check_whole_state(name, tensor, paths, read)
         for alias, name in self.aliases.items():
             if name not in self.tensors or alias in self.tensors:
@@ -176,7 +202,7 @@ class CheckpointMetadata(_Strict):
                                  f"whole-parameter state (format {OPTIMIZERS_FORMAT!r} has them)")
             return ["flat"] * len(self.state.param_groups)
         if not self.optimizers:
-            raise ValueError(f"format {OPTIMIZERS_FORMAT!r} lists the optimizers it was saved with in 'optimizers'")
+            raise ValueError(f"format {self.format!r} lists the optimizers it was saved with in 'optimizers'")
         paths = [o.path for o in self.optimizers for _ in range(o.groups)]
         if len(paths) != len(self.state.param_groups):
             raise ValueError(f"the optimizers have {len(paths)} param groups in all, but state.param_groups holds "
@@ -186,12 +212,25 @@ class CheckpointMetadata(_Strict):
             raise ValueError(f"optimizer_class is {self.optimizer_class!r}, not the optimizers' {classes!r}")
         return paths
 
+    def _check_layout(self) -> None:
+        """Format 4 records its tp degree, which divides the world (dp x tp), and every tensor's boxes; formats 2 and 3
+        every tensor's pieces."""
+        boxed = self.format == BOXES_FORMAT
+        if boxed != (self.tensor_parallel is not None) or (boxed and self.world_size % self.tensor_parallel):
+            raise ValueError(f"format {BOXES_FORMAT!r}, and only it, records tensor_parallel: its tp degree, which "
+                             f"divides world_size ({self.world_size}), not {self.tensor_parallel}")
+        for name, tensor in self.tensors.items():
+            if (tensor.boxes is not None) != boxed or (tensor.pieces is not None) == boxed:
+                raise ValueError(f"{name!r} must record {'boxes' if boxed else 'pieces'}, and only them, in format "
+                                 f"{self.format!r} (boxes of the global shape in {BOXES_FORMAT!r}, else pieces)")
+
     def _check_whole_state(self, name: str, tensor: TensorRecord, paths: list[str],
                            read: set[tuple[int, str]]) -> None:
         """Only a parameter of a whole-path optimizer has whole state, and only one of a flat one state per piece;
         whole state names entries ``o/NAME/...`` of its part, each once, and its tree refers to each of them once."""
         path = paths[tensor.group] if tensor.trainable and 0 <= tensor.group < len(paths) else None
-        if path != "flat" and any(state for *_, state in tensor.pieces):
+        pieces = tensor.pieces if tensor.boxes is None else [p for box in tensor.boxes for p in box.pieces]
+        if path != "flat" and any(state for *_, state in pieces):
             raise ValueError(f"{name!r} has optimizer state per piece but is not a parameter of an elementwise "
                              "optimizer")
         state = tensor.whole_state
@@ -230,17 +269,26 @@ class CheckpointMetadata(_Strict):
         if len(used) != len(state.keys):
             raise ValueError(f"the optimizer state of {name!r} does not refer to each of its {len(state.keys)} keys")
 
-    def _check_pieces(self, name: str, tensor: TensorRecord, read: set[tuple[int, str]]) -> None:
-        """Each piece names its own entries, of the right dtype and length; together they tile the tensor."""
-        numel = numel_of(tensor.shape)
-        for file, start, length, value, state in tensor.pieces:
+    def _check_pieces(self, name: str, tensor: TensorRecord, pieces: list[PieceRecord], box: BoxRecord | None,
+                      read: set[tuple[int, str]]) -> None:
+        """Each piece of the tensor (or of its ``box``) names its own entries, of the right dtype and length; together
+        they tile the tensor (the box)."""
+        shape = tuple(tensor.shape if box is None else box.size)
+        numel = numel_of(shape)
+        at = "" if box is None else f"{','.join(map(str, box.offset))}/"  # format 4: the box's offset in every key
+        element = (lambda start: start) if box is None else (lambda start: f"{start} of box {tuple(box.offset)}")
+        for file, start, length, value, state in pieces:
             if file >= len(self.files):
                 raise ValueError(f"a piece of {name!r} is in file {file}, but there are {len(self.files)}")
             whole = value.startswith("w/")
-            key = f"w/{name}" if whole else f"v/{name}/{start}"
-            keys = [(value, key)] + [(state[s], f"s/{name}/{start}/{s}") for s in state]
+            key = (f"w/{name}" if box is None else f"w/{name}/{at[:-1]}") if whole else f"v/{name}/{at}{start}"
+            keys = [(value, key)] + [(state[s], f"s/{name}/{at}{start}/{s}") for s in state]
             wrong = [k for k, expected in keys if k != expected]
             if wrong or (whole and (start, length, state) != (0, numel, {})):
+                if box is not None:
+                    raise ValueError(f"the piece of {name!r} at element {element(start)} names entries "
+                                     f"{_cut(wrong or [value])}, not its own (v/NAME/OFFSET/START, "
+                                     "s/NAME/OFFSET/START/STATE, or w/NAME/OFFSET for a whole box)")
                 raise ValueError(f"the piece of {name!r} at element {start} names entries {_cut(wrong or [value])}, "
                                  "not its own (v/NAME/START, s/NAME/START/STATE, or w/NAME for a whole tensor)")
             entries = self.files[file].entries
@@ -250,23 +298,24 @@ class CheckpointMetadata(_Strict):
                 if (file, key) in read:
                     raise ValueError(f"entry {key!r} of {self.files[file].name} is read by more than one piece")
                 read.add((file, key))
-            code, shape = entries[value][:2]
-            if code != tensor.dtype or numel_of(shape) != length or (whole and tuple(shape) != tensor.shape):
-                raise ValueError(f"the piece of {name!r} at element {start} is {length} elements of {tensor.dtype}, "
-                                 f"but its entry {value!r} is {code} of shape {tuple(shape)}")
+            code, saved = entries[value][:2]
+            if code != tensor.dtype or numel_of(saved) != length or (whole and tuple(saved) != shape):
+                raise ValueError(f"the piece of {name!r} at element {element(start)} is {length} elements of "
+                                 f"{tensor.dtype}, but its entry {value!r} is {code} of shape {tuple(saved)}")
             for s in state:
-                shape = tuple(entries[state[s]][1])
-                if shape not in ((), (length,)):
-                    raise ValueError(f"optimizer state {s!r} of {name!r} at element {start} has shape {shape}, "
-                                     f"neither () nor ({length},)")
+                saved = tuple(entries[state[s]][1])
+                if saved not in ((), (length,)):
+                    raise ValueError(f"optimizer state {s!r} of {name!r} at element {element(start)} has shape "
+                                     f"{saved}, neither () nor ({length},)")
         position = 0
-        for _, start, length, _, _ in sorted(tensor.pieces, key=lambda p: p[1]):
+        for _, start, length, _, _ in sorted(pieces, key=lambda p: p[1]):
             if start != position:
                 break
             position = start + length
-        if position != numel or sum(p[2] for p in tensor.pieces) != numel:
-            raise ValueError(f"the pieces of {name!r} do not cover its {numel} elements exactly (shape "
-                             f"{tuple(tensor.shape)}): a gap or an overlap")
+        if position != numel or sum(p[2] for p in pieces) != numel:
+            what = repr(name) if box is None else f"{name!r} in box {tuple(box.offset)}"
+            raise ValueError(f"the pieces of {what} do not cover its {numel} elements exactly (shape "
+                             f"{shape}): a gap or an overlap")
 
 
 def _check_tree(value: Any, reference: Callable[[Any, str], None], path: str = "") -> None:
