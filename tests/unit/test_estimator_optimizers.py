@@ -103,8 +103,13 @@ def test_each_whole_parameters_state_is_its_optimizers_own():
 @pytest.mark.parametrize("optimizers", OPTIMIZERS, ids=str)
 def test_the_estimate_is_the_measured_peak_and_state(optimizers, stage):
     """World size 1: the owner (every parameter's) holds its whole gradient and master during the step. The state
-    is the optimizers' own, exactly; the peak within 2%. (Where Muon's Newton-Schulz makes the peak, the CPU's bf16
-    matmuls allocate about 7 kB inside the kernel, which fake tensors do not run: 0.988 at stage 0 with Muon here.)"""
+    is the optimizers' own, exactly; the peak within 2%. With Muon its Newton-Schulz makes the peak, in bf16 matmuls
+    that allocate inside the kernel, which fake tensors do not run: priced from their shapes
+    (``zero.estimator.matmul_workspaces``). Measured 1.0000 at every stage, on 2 threads, with each CPU kernel:
+    oneDNN's brgemm with AVX512_BF16 (its scratchpad, 36,608 bytes at the 32 x 96 Gram matrix: 0.941 unpriced), its
+    gemm on AVX-512 without (its fp32 accumulator, 16,512 bytes at the 32 x 128 update: 0.972 unpriced) and ATen's
+    loops without AVX-512 (the 60 x 60 buffer ``addmm`` copies a transposed ``self`` through, 7,200 bytes: 0.988
+    unpriced); the last two in processes capped by ``ONEDNN_MAX_CPU_ISA``."""
     peak, opt = _measured(OPTIMIZERS[optimizers], stage)
     e = estimate(_workload(OPTIMIZERS[optimizers]), stage=stage, world_size=1, micro_batch=2)
     assert e.categories["optimizer_state"] == _state_bytes(opt)

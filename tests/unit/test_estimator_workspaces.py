@@ -23,8 +23,8 @@ measured_here = pytest.mark.skipif(
     reason="the prices were measured on AVX2 with oneDNN")
 
 
-def _measured(run) -> dict[str, int]:
-    """Each convolution operator's highest point over what it leaves allocated (bytes), read from the profiler."""
+def _measured(run, ops: tuple[str, ...] = OPS) -> dict[str, int]:
+    """Each operator in ``ops``' highest point over what it leaves allocated (bytes), read from the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     found: dict[str, int] = {}
@@ -32,7 +32,7 @@ def _measured(run) -> dict[str, int]:
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.name not in OPS or (event.parent is not None and event.parent.name in OPS):
+        if event.name not in ops or (event.parent is not None and event.parent.name in ops):
             continue
         allocations, inside = [], [event]
         while inside:

@@ -20,8 +20,9 @@ the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``
 world sizes 1-3 and two micro-batches, Muon with AdamW and Adafactor at stages 0-3 on every rank of worlds of 2
 and 3 (``estimate_world optimizers``), and a 1.1B GPT at stage 3 on 64 simulated ranks. It prices from the
 operator's shapes: the CPU convolution's own buffers (oneDNN's blocked copies and GEMM workspaces,
-slow_conv2d's columns: :mod:`zero.estimator.workspaces`). What it cannot see: what other kernels allocate inside
-themselves (e.g. CPU bf16 matmuls, oneDNN's smaller scratchpads), which fake tensors do not run, and what
+slow_conv2d's columns: :mod:`zero.estimator.workspaces`) and the CPU bf16 matmul's (oneDNN's scratchpad:
+:mod:`zero.estimator.matmul_workspaces`). What it cannot see: what other kernels allocate inside themselves (e.g.
+oneDNN's smaller convolution scratchpads), which fake tensors do not run, and what
 collectives allocate for themselves (NCCL's are outside PyTorch's
 allocator; gloo's are reported by the tracker as ``communication/collective internals``).
 

@@ -16,10 +16,10 @@ and gradient arriving:
   the loss path's copies, a tied weight's gradient contributions being added, ...).
 
 What a kernel allocates inside itself and frees before it returns (the CPU convolution's blocked copies and
-unfolded columns) has no storage here: :mod:`zero.estimator.workspaces` prices it from the operator's arguments,
-and an operator it prices gets a point of its own just before its usual one, its workspace counted in
-``temporaries`` (the kernel's highest point). What it does not price (oneDNN's scratchpads, CUDA libraries'
-workspaces, operators not in its table) the estimate does not see.
+unfolded columns, the CPU bf16 matmul's scratchpad) has no storage here: :mod:`zero.estimator.workspaces` prices it
+from the operator's arguments, and an operator it prices gets a point of its own just before its usual one, its
+workspace counted in ``temporaries`` (the kernel's highest point). What it does not price (oneDNN's smaller
+convolution scratchpads, CUDA libraries' workspaces, operators not in its table) the estimate does not see.
 
 Parameters, buffers and the batch existed before and are not counted (the estimator prices them).
 The counts are kept incrementally (weak references on the storages): the same figures

@@ -26,7 +26,8 @@ again): ``aten.convolution`` and ``aten.convolution_backward`` (1-D and 2-D) on 
 
 Not priced: oneDNN's other scratchpads, which do not grow with the batch (60-260 kB for a strided backward of the
 input, with the width and the threads; a few pages for a small weight gradient's reduction; 12 kB channels-last);
-3-D, transposed and grouped convolutions (0); every other operator (``None``). On CUDA nothing is priced yet:
+3-D, transposed and grouped convolutions (0); every other operator (``None``) but the bf16 ``mm`` and ``addmm``
+(oneDNN's scratchpad, priced by :mod:`zero.estimator.matmul_workspaces`). On CUDA nothing is priced yet:
 cuDNN's convolution workspaces and cuBLAS's go through the caching allocator but were not measured here (cuBLAS's
 persistent ones are the profiler's ``other/cuBLAS workspaces``, outside any step): add their rows to
 :data:`WORKSPACES` from a measurement.
@@ -38,6 +39,8 @@ from math import prod
 from typing import Any, Callable, Sequence
 
 import torch
+
+from zero.estimator.matmul_workspaces import bf16_matmul
 
 aten = torch.ops.aten
 
@@ -137,8 +140,10 @@ def _backward(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 # device type -> operator -> bytes(func, args, kwargs, out) its kernel holds beyond its outputs at its highest point
-WORKSPACES: dict[str, dict[Any, Callable[[Any, tuple, dict, Any], int]]] = {
-    "cpu": {aten.convolution.default: _forward, aten.convolution_backward.default: _backward},
+# (None: not priced for these arguments)
+WORKSPACES: dict[str, dict[Any, Callable[[Any, tuple, dict, Any], int | None]]] = {
+    "cpu": {aten.convolution.default: _forward, aten.convolution_backward.default: _backward,
+            aten.mm.default: bf16_matmul, aten.addmm.default: bf16_matmul},  # (bf16: zero.estimator.matmul_workspaces)
     "cuda": {},  # cuDNN / cuBLAS: not measured yet (see the module docstring)
 }
 
