@@ -97,16 +97,13 @@ class TensorParallel(NoTensorParallel):
         spans = [grads.narrow(0, s.span.offset, s.span.numel).float() for s in plain]
         both = torch.cat([torch.cat(spans), -torch.cat(spans)])
         self.comm.all_reduce(both, op="max", what=f"all-reduce over tp comparing the gradients of {bucket}").wait()
-        high, low = both.chunk(2)
-        low = -low
-        at = 0
-        for slot, span in zip(plain, spans):
-            hi, lo = high[at : at + span.numel()], low[at : at + span.numel()]
-            at += span.numel()
-            self.checked.add(slot.name)
-            scale = max(hi.abs().max().item(), lo.abs().max().item())  # (the first reduction only)
-            if (hi - lo).max().item() > REPLICA_RTOL * scale:
-                self.mismatched.append(slot.name)
+        highest, negated_lowest = both.chunk(2)
+        pairs = list(zip(*(t.split([span.numel() for span in spans]) for t in (highest, negated_lowest))))
+        spread = torch.stack([(hi + neg_lo).max() for hi, neg_lo in pairs])  # max - min over tp, per element
+        scale = torch.stack([torch.maximum(hi.abs().max(), neg_lo.abs().max()) for hi, neg_lo in pairs])
+        differs = (spread > REPLICA_RTOL * scale).tolist()  # (one host read, in the first reduction only)
+        self.checked.update(slot.name for slot in plain)
+        self.mismatched += [slot.name for slot, bad in zip(plain, differs) if bad]
 
     def check_round(self, dp: Communicator) -> None:
         """After the round's reductions: refuse, on every rank, a plain parameter whose gradient differed over tp."""
