@@ -48,6 +48,7 @@ from zero.estimator.offloading import OffloadChoice
 from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.schedule import Options, replay
+from zero.estimator.tensor_parallel import check_tensor_parallel, price_in_child
 from zero.estimator.traffic import Traffic, communication_policy, secondary_size, stages_for, step_traffic
 from zero.estimator.workload import Workload
 from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
@@ -121,6 +122,7 @@ class Estimate:
     traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
     rank: int = 0  # the rank priced: the one asked for, else the worst (see estimate()), else 0
     config: ZeroConfig = field(default_factory=ZeroConfig)  # the configuration priced, as ZeroOptimizer takes it
+    tensor_parallel: int = 1  # the tp degree: world_size ranks as dp x tp, dp = world_size // tensor_parallel
 
     @property
     def peak(self) -> float:
@@ -154,6 +156,7 @@ def estimate(
     micro_batch: int,
     no_sync: bool = False,
     rank: int | None = None,
+    tensor_parallel: int = 1,
     **settings: Any,
 ) -> Estimate:
     """One rank's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
@@ -189,12 +192,29 @@ def estimate(
     parameter's state lives on its owner, which also holds its whole gradient and master during the step), the
     higher peak of two: the rank holding the most optimizer state and the rank owning the most whole-parameter
     elements.
+    ``tensor_parallel``: the tp degree of a run whose model the workload's ``parallelize`` splits
+    (``Workload(..., parallelize=fn)``); ``world_size`` is then every rank, dp x tp, the model states are sharded over
+    the dp ranks, and ``rank`` is a global rank (``divmod(rank, tensor_parallel)`` is its place on the mesh). It is
+    priced in a process of its own (:mod:`zero.estimator.tensor_parallel`).
     """
     config = priced_config(config, **settings)
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be a whole number from 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
+    mesh = check_tensor_parallel(workload.parallelize, world_size, tensor_parallel, config)
+    if mesh is not None and workload.mesh is None:  # (split over a fake (dp, tp) mesh in a child process)
+        return price_in_child(workload, mesh, rank or 0, dict(
+            config=config, world_size=world_size, micro_batch=micro_batch, no_sync=no_sync, rank=rank,
+            tensor_parallel=tensor_parallel))
+    tp_rank = workload.mesh["tp"].get_local_rank() if mesh is not None else 0
+    if mesh is not None:
+        whole = workload.declaring(config.elementwise_optimizers, config.per_parameter_optimizers).assignment()
+        if any(whole.whole):
+            raise ValueError(f"the estimator does not price {whole.describe()} under tensor parallelism yet (their "
+                             "owners gather tp-sharded matrices over tp); estimate with an elementwise optimizer "
+                             "(AdamW) in its place, or measure the step with zero.profile")
+        world_size, rank = world_size // tensor_parallel, rank // tensor_parallel if rank is not None else None
     choice = OffloadChoice.of(config.offload)
     policy, group = communication_policy(config.communication, world_size)
     secondary = secondary_size(policy, world_size)
@@ -216,8 +236,9 @@ def estimate(
             layout, peak = other
     owners = layout.owners
     exchange = (owners.exchanged, master_dtype(precision)) if owners.num_shards > 1 else None
+    tp = mesh.tp if mesh is not None else 1
     return Estimate(
-        stage=config.stage, world_size=world_size, micro_batch=micro_batch, precision=precision_name(precision),
+        stage=config.stage, world_size=world_size * tp, micro_batch=micro_batch, precision=precision_name(precision),
         offload=choice.offloaded, checkpointing=checkpointing is not None, categories=peak.categories,
         host=peak.off.host, phase=peak.phase, module=peak.module, event=peak.event, disk=peak.off.disk,
         optimizer_offload=choice.optimizer, params_offload=choice.params, buffer_count=choice.buffer_count,
@@ -225,7 +246,7 @@ def estimate(
         secondary_size=secondary,
         traffic=step_traffic(config.stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy,
                              group, world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
-        rank=rank if rank is not None else owners.shard, config=config,
+        rank=(rank if rank is not None else owners.shard) * tp + tp_rank, config=config, tensor_parallel=tp,
     )
 
 
@@ -266,6 +287,9 @@ def plan(
     host transfers, then disk reads and writes, the slowest), lower stage (stage 3 moves 1.5x the data).
     ``no_sync``: see :func:`estimate` (only the stages ``ZeroConfig`` runs the communication policy at are tried:
     quantized weights need stage 3, the rest stages 1-3). ``progress`` is told about each trace as it starts."""
+    if workload.parallelize is not None:
+        raise ValueError("plan() does not search tensor-parallel workloads yet (a workload with a parallelize "
+                         "function); price each configuration with estimate(..., tensor_parallel=tp)")
     if gpu_memory <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_memory}")
     if host_memory is not None and host_memory <= 0:

@@ -31,20 +31,24 @@ stage's buffer schedule.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import _sharding_prop
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from zero.estimator.workspaces import workspace_bytes
+from zero.memory import storage_of
 from zero.outputs import tensors_in
 from zero.runtime.gathering.post_backward import hook_input_gradients
 
 KINDS = ("activations", "temporaries", "gradients")
+_SHARDING_PROPAGATION = _sharding_prop.__file__
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class Recorder(TorchDispatchMode):
         self.reached = ""
         self.input_hooks: list[Any] = []  # each module call's (removed with the module hooks)
         self.names = {id(p): n for n, p in model.named_parameters()}
+        self.tensor_parallel = any(is_traceable_wrapper_subclass(p) for p in model.parameters())  # (DTensors)
         self._refs: list[weakref.ref] = []
         # storages that exist already (an in-place operator returns them): parameters, buffers, the batch, ...
         known = [*model.parameters(), *model.buffers(), *tree_leaves(existing)]
@@ -125,7 +130,7 @@ class Recorder(TorchDispatchMode):
 
     @staticmethod
     def _key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
+        return storage_of(t)._cdata
 
     def _move(self, entry: _Storage, kind: str) -> None:
         self.totals[entry.kind] -= entry.nbytes
@@ -133,7 +138,7 @@ class Recorder(TorchDispatchMode):
         entry.kind = kind
 
     def _created(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         key = storage._cdata
         if key in self.live or key in self._known:
             return
@@ -165,6 +170,11 @@ class Recorder(TorchDispatchMode):
     # ----- operators --------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.tensor_parallel:
+            if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs))):
+                return NotImplemented  # a DTensor's operator: DTensor runs it, its local operators are recorded
+            if _propagating_layouts():  # (global-shape fake tensors, fake at run time too: nothing held)
+                return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
@@ -245,6 +255,17 @@ class _Saved:
             self.recorder._move(self.entry, "temporaries")
 
 
+def _propagating_layouts() -> bool:
+    """Whether DTensor's sharding propagation is running: it derives an operator's output layout by running it on
+    fake tensors of the global shapes (once per input layouts, then cached), which hold nothing at run time."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == _SHARDING_PROPAGATION:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
 
@@ -280,5 +301,5 @@ def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: t
     finally:
         for handle in [*handles, *recorder.input_hooks]:
             handle.remove()
-    grads = {name: p.grad.untyped_storage().nbytes() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: storage_of(p.grad).nbytes() for name, p in model.named_parameters() if p.grad is not None}
     return Timeline(recorder.points, grads)

@@ -27,13 +27,14 @@ from zero.estimator.timeline import Timeline, record_step
 from zero.estimator.traffic import Wire
 from zero.precision import DTYPES, MixedPrecision
 from zero.runtime.activations.checkpointing import checkpoint_activations
+from zero.runtime.buffers.local_tensor import local_of
 from zero.runtime.buffers.partition import build_partition
 from zero.runtime.buffers.placement import Where
 from zero.runtime.buffers.plan import Role
 from zero.runtime.offload.disk import planned_disk_bytes
 from zero.runtime.offload.paging import per_element_state
 from zero.runtime.precision.casts import input_casts
-from zero.runtime.precision.parameters import full_precision_parameters
+from zero.runtime.precision.parameters import cast_unmanaged_parameters, full_precision_parameters
 from zero.runtime.stages import make_stage
 from zero.runtime.step.inner import same_kind
 
@@ -86,6 +87,11 @@ class Workload:
     the path ``ZeroOptimizer`` steps it on (:mod:`zero.estimator.optimizers`); ``elementwise_optimizers`` and
     ``per_parameter_optimizers`` are ``ZeroConfig``'s (third-party classes declared elementwise, stepped on the flat
     path; whole-parameter classes declared to read each parameter alone, owned parameter by parameter).
+
+    Tensor parallelism: ``parallelize(model, tp_mesh)`` splits the model ``build()`` returns as the training script
+    does (e.g. ``parallelize_module(model, tp_mesh, plan)``) and returns it; ``estimate(..., tensor_parallel=tp)``
+    then prices one rank of ``dp x tp`` (:mod:`zero.estimator.tensor_parallel`), ``batch(micro_batch)`` being what one
+    rank's forward takes (the tp ranks of one dp position take the same batch).
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class Workload:
         optimizers: Callable[[nn.Module], Any] | None = None,
         elementwise_optimizers: Sequence[str] = (),
         per_parameter_optimizers: Sequence[str] = (),
+        parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
     ) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -107,6 +114,8 @@ class Workload:
         self.build, self.loss, self.batch, self.optimizer = build, loss, batch, optimizer
         self.optimizers, self.elementwise_optimizers = optimizers, tuple(elementwise_optimizers)
         self.per_parameter_optimizers = tuple(per_parameter_optimizers)
+        self.parallelize = parallelize
+        self.mesh: Any = None  # the (dp, tp) DeviceMesh, in the fake world of a tensor-parallel estimate's process
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._models: dict[tuple[str, str], nn.Module] = {}
         self._timelines: dict[tuple[int, str, str], Timeline] = {}
@@ -147,20 +156,47 @@ class Workload:
                 if not isinstance(model, nn.Module):
                     raise ValueError(f"the model function must return a torch.nn.Module, got {type(model).__name__}")
                 if any(isinstance(p, DTensor) for p in model.parameters()):
-                    raise ValueError("the model function returned a tensor-parallel model (DTensor parameters); the "
-                                     "estimator prices data parallelism over an unsplit model and has no notion of "
-                                     "a tp mesh yet (docs/parallelism.md): pass the model before parallelize_module")
+                    raise ValueError("the model function returned a tensor-parallel model (DTensor parameters); give "
+                                     "the estimator the unsplit model and the function that splits it: "
+                                     "Workload(build, loss, batch, parallelize=fn) with fn(model, tp_mesh) -> model, "
+                                     "and estimate(..., tensor_parallel=tp) (docs/estimator.md)")
+                model = self._split(model)
                 if policy.enabled:  # as ZeroOptimizer casts the managed parameters, and the inputs of its units
                     full = full_precision_parameters(model)  # and of the modules computing in param_dtype
-                    for p in model.parameters():
-                        if p not in full and p.is_floating_point():
-                            p.data = p.data.to(DTYPES[policy.param_dtype])
+                    cast_unmanaged_parameters(model, policy, keep=full)  # (a DTensor's: a new DTensor, as retyped)
                     planned = units.plan(model, list(model.parameters()))
                     input_casts(model, DTYPES[policy.param_dtype], cast=True, units=[u.name for u in planned if u.name])
                 if key[1]:
                     checkpoint_activations(model, ActivationCheckpointing.model_validate_json(key[1]))
             self._models[key] = model
         return self._models[key]
+
+    def _split(self, model: nn.Module) -> nn.Module:
+        """The fake model split by ``parallelize`` over the tp mesh (in a tensor-parallel estimate's process)."""
+        if self.parallelize is None:
+            return model
+        if self.mesh is None:
+            raise ValueError("a workload with a parallelize function is priced with estimate(..., "
+                             "tensor_parallel=tp), which splits the model over a (dp, tp) mesh in a process of its "
+                             "own; this call has no tensor_parallel")
+        split = self.parallelize(model, self.mesh["tp"])
+        if not isinstance(split, nn.Module):
+            raise ValueError(f"the parallelize function must return the split torch.nn.Module (as "
+                             f"parallelize_module does), got {type(split).__name__}")
+        return split
+
+    def spec(self) -> dict[str, Any]:
+        """What the workload was built from (``Workload(**spec)`` makes it again, without its traces)."""
+        return {"build": self.build, "loss": self.loss, "batch": self.batch, "optimizer": self.optimizer,
+                "optimizers": self.optimizers, "elementwise_optimizers": self.elementwise_optimizers,
+                "per_parameter_optimizers": self.per_parameter_optimizers, "parallelize": self.parallelize}
+
+    def device_type(self) -> str:
+        """The type of device the model is built on (its first parameter's; ``"cpu"`` without any)."""
+        with explained("building the model"):
+            model = self._build_fake()
+        first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+        return first.device.type if first is not None else "cpu"
 
     def _build_fake(self) -> Any:
         """``build()`` on fake tensors. torch cannot move a module built inside ``FakeTensorMode`` (``Module.to()``
@@ -258,7 +294,8 @@ class Workload:
         return Layout(
             stage=stage,
             buckets=priced,
-            frozen=sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed),
+            frozen=sum(local_of(p).local(p).numel() * p.element_size() for p in model.parameters()
+                       if id(p) not in bucketed),  # (a DTensor's local tensor)
             buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
             staged=partition.plan.policy.staged,
             grad_buffer=sum(plan.nbytes(Role.GRADS) for plan in partition.plan.buckets),
