@@ -3,7 +3,8 @@
 
 Each rank trains ``zero.models.LlamaGPT`` split by ``parallelize_module`` over ``mesh["tp"]`` with
 ``tensor_parallel_plan`` (plan 1: attention by heads and the MLP by hidden units; plan 2: torchtitan's Llama plan,
-sequence parallel), under ``ZeroOptimizer(AdamW, model, stage=s, mesh=mesh["dp"])`` for two steps, and returns its
+sequence parallel), under ``ZeroOptimizer(AdamW, model, stage=s, mesh=mesh["dp"])`` for two steps (stages 1-3; on
+plan 2 also stage 0, bf16 parameters and activation checkpointing: ``CASES``), and returns its
 peak: the allocator's, without the collectives' own buffers, less what the process held before (as
 ``estimate_world.measured``). Rank 0 also prices one case from inside the world (a default process group exists, so
 the estimator spawns its child process: the workload's functions below are importable for that; a lambda is refused by
@@ -29,6 +30,13 @@ BUCKET_MB = 0.02  # several buckets
 PLANS = {"plan1": False, "plan2": True}  # name -> sequence parallel
 STAGES = (1, 2, 3)
 STEPS = 2
+# besides both plans at stages 1-3, on plan 2 (ZeroConfig's fields): stage 0, bf16 parameters over fp32 masters,
+# activation checkpointing of every block. (Not CPU offload: on a CPU machine host and device memory are one, so the
+# allocator cannot tell the device's part from the host's.)
+VARIANTS = {"stage0": (0, {}), "bf16": (3, {"precision": {"param_dtype": "bf16"}}),
+            "checkpointing": (3, {"activation_checkpointing": {"classes": ["LlamaBlock"]}})}
+CASES = {**{(plan, stage): (plan, stage, {}) for plan in PLANS for stage in STAGES},
+         **{("plan2", name): ("plan2", stage, fields) for name, (stage, fields) in VARIANTS.items()}}
 
 
 def build() -> LlamaGPT:
@@ -61,18 +69,20 @@ def workload(plan: str) -> Workload:
     return Workload(build, loss, batch, parallelize=PARALLELIZE[plan])
 
 
-def priced(plan: str, stage: int, world_size: int, tp: int) -> dict:
+def priced(plan: str, stage: int, world_size: int, tp: int, **fields) -> dict:
+    """The estimate of one case (``fields``: more of ``ZeroConfig``'s), as plain data."""
     e = estimate(workload(plan), stage=stage, world_size=world_size, tensor_parallel=tp, micro_batch=MICRO,
-                 bucket_size_mb=BUCKET_MB)
+                 bucket_size_mb=BUCKET_MB, **fields)
     return {"estimated": e.peak, "estimated_categories": {k: v for k, v in e.categories.items() if v},
             "estimated_where": f"{e.phase} {e.module} {e.event}", "rank": e.rank}
 
 
-def measure(mesh, plan: str, stage: int) -> dict:
+def measure(mesh, plan: str, stage: int, **fields) -> dict:
+    """This rank's measured peak of ``STEPS`` steps of one case (``fields``: more of ``ZeroConfig``'s)."""
     gc.collect()
     model = PARALLELIZE[plan](build(), mesh["tp"])
     opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=stage,
-                             bucket_size_mb=BUCKET_MB, mesh=mesh["dp"])
+                             bucket_size_mb=BUCKET_MB, mesh=mesh["dp"], **fields)
     with zero.profile(model, opt, every_op=False) as prof:
         for step in range(STEPS):
             loss(model, *batch(MICRO, step * 100 + mesh["dp"].get_local_rank())).backward()
@@ -89,9 +99,9 @@ def measure(mesh, plan: str, stage: int) -> dict:
 
 
 def checks(rank: int, world_size: int, tp: int) -> dict:
-    """Every rank's measured peaks by (plan, stage); rank 0 also one estimate priced inside the world."""
+    """Every rank's measured peaks by case (``CASES``); rank 0 also one estimate priced inside the world."""
     mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    out: dict = {(plan, stage): measure(mesh, plan, stage) for plan in PLANS for stage in STAGES}
+    out: dict = {case: measure(mesh, plan, stage, **fields) for case, (plan, stage, fields) in CASES.items()}
     if rank == 0:  # (a spawned child: this process has a default process group)
         out["inside"] = priced("plan2", 3, world_size, tp)
         local = Workload(lambda: build(), loss, batch, parallelize=sequence_parallel)  # (not importable)
