@@ -204,7 +204,7 @@ def estimate(
         raise ValueError(f"rank must be a whole number from 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
     mesh = check_tensor_parallel(workload.parallelize, world_size, tensor_parallel, config)
     if mesh is not None and workload.mesh is None:  # (split over a fake (dp, tp) mesh in a child process)
-        return price_in_child(workload, mesh, rank or 0, dict(
+        return price_in_child(estimate, workload, mesh, rank or 0, dict(
             config=config, world_size=world_size, micro_batch=micro_batch, no_sync=no_sync, rank=rank,
             tensor_parallel=tensor_parallel))
     tp_rank = workload.mesh["tp"].get_local_rank() if mesh is not None else 0

@@ -24,10 +24,12 @@ import multiprocessing
 import pickle
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from zero.estimator.traffic import communication_policy, secondary_size
 
 MESH_DIMS = ("dp", "tp")
 
@@ -65,8 +67,6 @@ def check_tensor_parallel(parallelize: Any, world_size: int, tp: Any, config: An
     if world_size % tp:
         raise ValueError(f"world_size {world_size} is not a multiple of tensor_parallel {tp}: a tensor-parallel run "
                          "has dp x tp ranks (world_size = dp * tp)")
-    from zero.estimator.traffic import communication_policy, secondary_size
-
     policy, group = communication_policy(config.communication, world_size // tp)
     levels = group != world_size // tp or secondary_size(policy, world_size // tp) > 0  # (as the runtime's levels)
     refused = ["offload to disk" if config.offload.pages else None,
@@ -79,14 +79,14 @@ def check_tensor_parallel(parallelize: Any, world_size: int, tp: Any, config: An
     return MeshShape(world_size, tp)
 
 
-def price_in_child(workload: Any, mesh: MeshShape, rank: int, kwargs: dict[str, Any]) -> Any:
-    """``estimate(workload, **kwargs)`` run in a child process as global ``rank`` of a fake world of ``mesh``'s shape
-    (see the module docstring); its :class:`~zero.estimator.Estimate`, or the error it raised, raised here."""
-    spec = workload.spec()
+def price_in_child(price: Callable[..., Any], workload: Any, mesh: MeshShape, rank: int, kwargs: dict[str, Any]) -> Any:
+    """``price(workload, **kwargs)`` (``zero.estimate``) run in a child process as global ``rank`` of a fake world
+    of ``mesh``'s shape, on the workload made again there from its spec (see the module docstring); what it returns,
+    or the error it raised, raised here."""
     context = multiprocessing.get_context("spawn" if dist.is_available() and dist.is_initialized() else "fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(send, spec, mesh, rank, kwargs, torch.get_num_threads()),
-                            name="zero-estimate-tp")
+    args = (send, price, type(workload), workload.spec(), mesh, rank, kwargs, torch.get_num_threads())
+    child = context.Process(target=_child, args=args, name="zero-estimate-tp")
     try:
         child.start()
     except (pickle.PicklingError, AttributeError, TypeError) as err:
@@ -110,20 +110,18 @@ def price_in_child(workload: Any, mesh: MeshShape, rank: int, kwargs: dict[str, 
     return value
 
 
-def _child(send: Any, spec: dict[str, Any], mesh: MeshShape, rank: int, kwargs: dict[str, Any], threads: int) -> None:
+def _child(send: Any, price: Callable[..., Any], kind: type, spec: dict[str, Any], mesh: MeshShape, rank: int,
+           kwargs: dict[str, Any], threads: int) -> None:
     """The child: rank ``rank`` of a fake world, the ``(dp, tp)`` mesh, the estimate; sends ``(kind, value)``."""
     try:
         torch.set_num_threads(threads)  # (the CPU bf16 matmul's scratchpad is priced per thread)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        from zero.estimator.estimator import estimate
-        from zero.estimator.workload import Workload
-
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh.world_size)
-        workload = Workload(**spec)
+        workload = kind(**spec)
         workload.mesh = init_device_mesh(workload.device_type(), (mesh.dp, mesh.tp), mesh_dim_names=MESH_DIMS)
-        result: tuple[str, Any] = ("ok", estimate(workload, **kwargs))
+        result: tuple[str, Any] = ("ok", price(workload, **kwargs))
     except BaseException as err:  # (sent back whole when it pickles, else as text)
         result = ("error", err if _pickles(err) else RuntimeError("".join(traceback.format_exception(err))))
     send.send(result)
