@@ -10,10 +10,11 @@ from zero.estimator import estimate
 from zero.estimator.activation_budget import blocks_within_budget
 from zero.memory import ModelStateBytes, zero_model_state_bytes
 from zero.offload import Offload
-from zero.optimizer import ZeroOptimizer, init_sharded
+from zero.optimizer import ZeroOptimizer
 from zero.precision import LossScale, MixedPrecision
 from zero.profiler import profile
 from zero.runtime.activations.checkpointing import checkpoint_activations
+from zero.sharded_init import init_sharded
 from zero.version import __version__
 
 __all__ = [

@@ -169,7 +169,42 @@ class LlamaGPT(nn.Module):
         return self.output(self.norm(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self(idx).flatten(0, 1), targets.flatten())
+        return lm_loss(self(idx), targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross entropy of ``(batch, seq, vocab)`` logits (a pipeline schedule's ``loss_fn``)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class LlamaPart(nn.Module):
+    """A run of consecutive blocks of a :class:`LlamaGPT` (the first part also its embedding, the last its norm and
+    head) under the whole model's names (``layers.3.attention.wq.weight``), as torchtitan cuts a model for pipeline
+    parallelism: a part's checkpoint names are the whole model's."""
+
+    def __init__(self, model: LlamaGPT, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.output(self.norm(x)) if self.output is not None else x
+
+
+def pipeline_parts(model: LlamaGPT, num_parts: int) -> list[LlamaPart]:
+    """``model`` cut into ``num_parts`` :class:`LlamaPart` s of consecutive blocks (as even as they divide; the
+    modules are shared with ``model``, not copied): part ``i`` is pipeline stage ``i``."""
+    n = len(model.layers)
+    if not 1 <= num_parts <= n:
+        raise ValueError(f"cannot cut {n} blocks into {num_parts} pipeline parts (1 to {n})")
+    bounds = [n * i // num_parts for i in range(num_parts + 1)]
+    return [LlamaPart(model, range(bounds[i], bounds[i + 1]), i == 0, i == num_parts - 1) for i in range(num_parts)]
 
 
 def tensor_parallel_plan(model: LlamaGPT, sequence_parallel: bool, qk_norm_declared: bool = True) -> dict:

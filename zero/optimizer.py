@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from zero.auto_ratio import StepExample, resolve_config
 from zero.checkpoint.shard import state as shard_state
-from zero.comm.groups import data_parallel_group
+from zero.comm.groups import data_parallel_group, pipeline_group
 from zero.config import ZeroConfig
 from zero.memory import MemoryItem, ModelStateBytes
 from zero.runtime import owned_memory, whole_parameters
@@ -57,8 +57,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             parameters at stages 0-2 (stage 3 shards them too, gathered with their unit).
         config: a :class:`ZeroConfig`; keyword ``overrides`` (``stage=2``, ``bucket_size_mb=...``)
             are applied on top of it.
-        process_group, mesh: the data-parallel group, or a mesh's dp dimension (``mesh["dp"]``; tensor parallelism:
-            docs/parallelism.md); default: the default group if one is initialized, else a world of one.
+        process_group, mesh: the data-parallel group, or a mesh's dp dimension (``mesh["dp"]``), or a mesh with a
+            ``"dp"`` dimension and a ``"pp"`` one (pipeline parallelism: the clip norm adds up over the pipeline's
+            ranks; tensor and pipeline parallelism: docs/parallelism.md); default: the default group if one is
+            initialized, else a world of one.
         init_fn, device: for a model built on ``meta`` (stage 3; see :func:`init_sharded`).
         example: with ``offload.ratio="auto"``, a :class:`zero.StepExample` (the loss and a micro-batch) with which
             the estimator picks the ratio (:mod:`zero.auto_ratio`).
@@ -89,6 +91,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.module, self.comm, self.partition, self.zero_stage = model, runtime.comm, runtime.partition, runtime.stage
         self.checkpointed = runtime.checkpointed
         watch_for_drop(self, runtime)
+        if pipeline_group(mesh) is not None:
+            runtime.use_pipeline(pipeline_group(mesh))
 
     @property
     def buckets(self) -> list[Bucket]:  # (this rank's)
@@ -127,6 +131,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             yield
         finally:
             reducer.sync_enabled = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch: ``False`` makes the backward passes that follow accumulate locally, as inside
+        :meth:`no_sync`, until it is set ``True`` again (the next backward pass then reduces the sum) or
+        :meth:`reduce_gradients` reduces them."""
+        self.runtime.reducer.sync_enabled = requires_gradient_sync
+
+    def reduce_gradients(self, divide_factor: int = 1) -> None:
+        """Reduce now, with no backward pass, the gradients accumulated with synchronization off, averaged over the
+        dp ranks and divided by ``divide_factor`` too: a pipeline schedule's one reduction per step after its last
+        micro-batch (``divide_factor``: its micro-batches, each loss a mean; ``zero.pipelining`` calls this)."""
+        self.runtime.check_open()
+        self.runtime.reducer.reduce_accumulated(divide_factor)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -221,30 +238,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 def _state_of(optimizers: list[torch.optim.Optimizer]) -> Any:  # (one state: the optimizer's own dict)
     return ChainMap(*(o.state for o in optimizers)) if len(optimizers) > 1 else optimizers[0].state
-
-
-def init_sharded(
-    build_fn: Callable[[], torch.nn.Module],
-    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer | Sequence[torch.optim.Optimizer]],
-    *,
-    init_fn: InitFn | None = None,
-    config: ZeroConfig | None = None,
-    process_group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-    **overrides: Any,
-) -> tuple[torch.nn.Module, ZeroOptimizer]:
-    """Build a model without ever holding it whole: on ``meta``, then stage-3 shards only.
-
-    ``build_fn()`` runs under ``torch.device("meta")``; ``make_optimizer(model)`` builds the optimizer (or a list) over
-    its parameters; each rank then initializes its shards one module at a time with the model's own
-    ``reset_parameters()`` and ``init_fn`` (see :mod:`zero.runtime.materialize` for when that equals building the
-    model normally with the same seed; every rank must use the same seed). Returns ``(model, optimizer)``::
-
-        model, opt = zero.init_sharded(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters()),
-                                       init_fn=init_gpt_weights)
-    """
-    with torch.device("meta"):
-        model = build_fn()
-    overrides = {**overrides, "stage": 3}
-    return model, ZeroOptimizer(make_optimizer(model), model, config=config, process_group=process_group,
-                                init_fn=init_fn, device=device, **overrides)

@@ -236,6 +236,7 @@ LAYERS = (  # zero's top-level modules and packages, lowest first: each imports 
     ("checkpoint", "estimator", "profiler"),  # saving and loading the runtime's state; predicting; measuring
     ("auto_ratio",),  # offload.ratio="auto", chosen through the estimator
     ("optimizer",),  # the facade: ZeroOptimizer
+    ("pipelining", "sharded_init"),  # built on the facade: torch's pipeline stage for it; building on meta into it
     ("cli", "integrations"),  # the zero command; the Trainer and Accelerate adapters
     ("__init__", "__main__"),  # zero/__init__.py's public names; python -m zero
 )

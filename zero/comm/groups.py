@@ -53,16 +53,30 @@ def check_launcher_world() -> None:
         )
 
 
+MESH_DIMENSIONS = ("dp", "pp", "tp")  # a mesh's named dimensions ZeroOptimizer reads (tp: from the model)
+
+
 def data_parallel_group(group: dist.ProcessGroup | None, mesh: object | None) -> dist.ProcessGroup | None:
     """The data-parallel group, given as a process group or as FSDP2 spells it, a 1-D ``DeviceMesh``
-    (``mesh=mesh["dp"]``); not both."""
+    (``mesh=mesh["dp"]``) or a mesh with a ``"dp"`` dimension; not both."""
     if mesh is None:
         return group
     if group is not None:
         raise ValueError("pass the data-parallel ranks once: process_group=... or mesh=..., not both")
-    if getattr(mesh, "ndim", None) != 1:
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if getattr(mesh, "ndim", None) == 1 and not set(names) - {"dp"}:
+        return mesh.get_group()
+    if "dp" not in names or set(names) - set(MESH_DIMENSIONS):
         raise ValueError(
-            f"mesh must be the 1-D data-parallel dimension of a device mesh (mesh['dp']), got {mesh}; zero shards "
-            "over it, and finds the tensor-parallel dimension from the model's DTensor parameters"
+            f"mesh must be the data-parallel dimension of a device mesh (mesh['dp']) or a mesh whose dimensions are "
+            f"named among {MESH_DIMENSIONS} with a 'dp' one, got {mesh}; zero shards over 'dp', adds the clip norm "
+            "up over 'pp' (pipeline parallelism), and finds the tensor-parallel dimension from the model's DTensor "
+            "parameters"
         )
-    return mesh.get_group()
+    return mesh["dp"].get_group()
+
+
+def pipeline_group(mesh: object | None) -> dist.ProcessGroup | None:
+    """The pipeline's group of a mesh with a ``"pp"`` dimension (``None`` without one)."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["pp"].get_group() if "pp" in names else None

@@ -172,6 +172,7 @@ def watch_for_drop(owner: Any, runtime: Runtime) -> None:
     can be done without a collective (see ``zero.runtime.gathering.release``)."""
     finalizer = weakref.finalize(owner, runtime.release.dropped)
     finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
+    runtime.owner.optimizer = weakref.ref(owner)  # found from its parameters (zero.pipelining)
 
 
 def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[bool], config: ZeroConfig) -> None:

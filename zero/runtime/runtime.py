@@ -28,6 +28,7 @@ from zero.runtime.gathering.release import ModelRelease
 from zero.runtime.guards.ddp import check_not_called_by_ddp
 from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
+from zero.runtime.parallel.pipeline import NoPipeline, Pipeline
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
@@ -58,6 +59,7 @@ class Runtime:
     gatherer: ParamGatherer | NoGatherer
     paging: Resident  # how passes over the optimizer side walk the buckets (WindowPaging: through host memory)
     tensor_parallel: NoTensorParallel  # the model's tp dimension (zero.runtime.parallel.tensor_parallel)
+    pipeline: NoPipeline | Pipeline = field(default_factory=NoPipeline)  # its pp dimension, once a pipeline stage joins
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)
@@ -169,14 +171,16 @@ class Runtime:
             pieces = self.used_pieces(bucket)
             norms.update(zip(map(id, pieces), tensor_norms([bucket.grad_piece(p) for p in pieces], norm_type)))
         used = [p for p in self.pieces_in_model_order if p.slot.used_anywhere]
-        if self.tensor_parallel.size == 1:
+        if self.tensor_parallel.size == 1 and self.pipeline.size == 1:
             total = total_norm([norms[id(p)] for p in used], norm_type, self.comm.device)  # offload: on the host
             total = self._norm_over_dp(total, norm_type)
         else:  # tp-sharded pieces and replicated ones apart: the first add up over tp, the second count once
             kinds = [[norms[id(p)] for p in used if p.slot.local.tp_sharded == sharded] for sharded in (True, False)]
             partial = self._norm_over_dp(torch.stack([total_norm(k, norm_type, self.comm.device) for k in kinds]),
                                          norm_type, partial=True)
-            total = self.tensor_parallel.total_norm(partial[:1], partial[1:], norm_type)[0]
+            partial = self.pipeline.sum_over_pp(self.tensor_parallel.sum_over_tp(partial[:1], partial[1:], norm_type),
+                                                norm_type)  # then over the pipeline's other parts
+            total = (partial if norm_type == math.inf else partial.pow(1.0 / norm_type)).to(torch.float32)[0]
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -252,6 +256,23 @@ class Runtime:
         for bucket in buckets:
             bucket.push_master()
         wait_all([self.stage.gather_params(bucket, self.comm) for bucket in buckets])
+
+    def use_pipeline(self, group: Any) -> Pipeline:
+        """This optimizer's model is a part of a pipeline over ``group`` (its pp group): the clip norm adds up over
+        ``group`` from now on."""
+        if isinstance(self.pipeline, NoPipeline):
+            self.pipeline = Pipeline(Communicator(group, self.config.timeout_s, device=self.comm.device))
+        elif self.pipeline.group is not group:
+            raise ValueError("this ZeroOptimizer's model was put in two pipelines (different pp groups); every part "
+                             "on a rank is in one pipeline (its pp group, mesh['pp'])")
+        return self.pipeline
+
+    def join_pipeline(self, group: Any, stage_index: int) -> Pipeline:
+        """A pipeline stage over (part of) this optimizer's model joins: see :meth:`use_pipeline`; the gradient
+        reduction waits for every joined part's last backward of a step."""
+        pipeline = self.use_pipeline(group)
+        pipeline.join(stage_index)
+        return pipeline
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.check_open()

@@ -295,11 +295,13 @@ class Bucket:
         """The optimizer's gradient for one local piece (1D view of :attr:`step_grads`)."""
         return self.step_grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
+    def pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """The slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``), as views."""
+        return [chunk.narrow(0, p.piece.chunk_start, p.piece.numel) for p in self.pieces if p.slot is slot]
+
     def zero_pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> None:
-        """Zero the slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``)."""
-        for piece in self.pieces:
-            if piece.slot is slot:
-                chunk.narrow(0, piece.piece.chunk_start, piece.piece.numel).zero_()
+        for view in self.pieces_of(slot, chunk):
+            view.zero_()
 
     def check_attached(self, whole: bool) -> None:
         """Raise if a parameter changed dtype or device after wrapping (``model.to()``); with ``whole``

@@ -12,6 +12,8 @@ right shape, dtype and device (one shared element, expanded) whose ``__torch_fun
 * lets metadata queries through (shape, dtype, ``requires_grad_`` ...);
 * records ``zero_()`` (``model.zero_grad(set_to_none=False)``) so that the optimizer
   clears the shards, exactly as PyTorch would have zeroed the gradient;
+* records ``mul_(number)`` and ``div_(number)`` (torch's pipeline schedules divide every ``p.grad`` by their
+  micro-batches, ``scale_grads``) so that the optimizer applies them to the shards, the same operation in order;
 * lets a no-op conversion through (``model.to(its own device)``) and refuses a real one;
 * refuses every other use with an error that names the parameter and the fix.
 
@@ -28,6 +30,7 @@ from zero.runtime.buffers.sharded_param import METADATA, cast_after_wrapping, co
 
 _ZEROING = frozenset({"zero_", "_foreach_zero_"})
 _HARMLESS = frozenset({"detach_", "requires_grad_"})  # what zero_grad(set_to_none=False) calls first
+_SCALING = frozenset({"mul_", "div_"})  # by a number: applied to the shards
 
 
 def _guarded(cls, func, types, args=(), kwargs=None):
@@ -46,6 +49,9 @@ def _guarded(cls, func, types, args=(), kwargs=None):
                 torch._foreach_zero_(others)
             return None
         if name in _HARMLESS:
+            return args[0]
+        if name in _SCALING and len(args) == 2 and not kwargs and type(args[0]) in _GUARDS and _number(args[1]):
+            guard_of(args[0])._zero_scalings.append((name, args[1]))
             return args[0]
         if is_conversion(func):
             return convert_or_refuse(func, args, kwargs, cast_after_wrapping(guards[0]._zero_name))
@@ -74,6 +80,11 @@ class ShardedGrad(torch.Tensor):
         zeroed, self._zero_cleared = self._zero_cleared, False
         return zeroed
 
+    def take_scalings(self) -> list[tuple[str, float]]:
+        """The in-place scalings by a number (``("div_", 4)``) since the last call, in order, forgetting them."""
+        scalings, self._zero_scalings = self._zero_scalings, []
+        return scalings
+
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"ShardedGrad({self._zero_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
@@ -94,6 +105,10 @@ def guard_of(t: torch.Tensor) -> ShardedGrad:
     return t._local_tensor if type(t) is ShardedDTensorGrad else t
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _flat(args, kwargs):
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, (list, tuple)):
@@ -108,4 +123,5 @@ def sharded_grad(shape: torch.Size, name: str, reason: str, base: torch.Tensor) 
     guard = torch.Tensor._make_subclass(ShardedGrad, base.expand(shape), False)
     guard._zero_name = name
     guard._zero_reason = reason
+    guard._zero_scalings = []
     return guard

@@ -9,7 +9,7 @@ or ``load_state_dict(assign=True)`` after wrapping would otherwise train on sile
 from __future__ import annotations
 
 import weakref
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -35,6 +35,9 @@ class Managed(Protocol):
 class Owner:
     """One ZeroOptimizer's identity on the parameters it manages (held by its runtime, so it lives exactly as long)."""
 
+    def __init__(self) -> None:
+        self.optimizer: Callable[[], object | None] = lambda: None  # a weak reference to the ZeroOptimizer, once built
+
 
 class OwnerRef:
     """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
@@ -48,6 +51,13 @@ class OwnerRef:
 
     def __reduce__(self):
         return (OwnerRef, ())
+
+
+def optimizer_of(param: torch.nn.Parameter) -> object | None:
+    """The live ZeroOptimizer managing ``param``, if any."""
+    ref = getattr(param, "_zero_owner", None)
+    owner = ref._ref() if ref is not None and ref.alive else None
+    return owner.optimizer() if owner is not None else None
 
 
 def managed_elsewhere(param: torch.nn.Parameter) -> bool:

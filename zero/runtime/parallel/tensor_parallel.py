@@ -14,7 +14,7 @@ three kinds of parameters (``zero.runtime.buffers.local_tensor``):
   (:meth:`TensorParallel.observe`) and refuses such a parameter by name, with the fix.
 
 The gradient norm counts a tp-sharded parameter's slices once each (their squares summed over tp) and a replicated
-one once (:meth:`TensorParallel.total_norm`). Without a tp dimension, :class:`NoTensorParallel` (a null object)
+one once (:meth:`TensorParallel.sum_over_tp`). Without a tp dimension, :class:`NoTensorParallel` (a null object)
 does nothing.
 """
 
@@ -59,9 +59,9 @@ class NoTensorParallel:
         """This rank's part of the global tensor ``whole`` (the inverse of :meth:`whole`): here itself."""
         return whole
 
-    def total_norm(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """``sharded``/``replicated``: this rank's partial sums (``norm ** p``, or maxima) of the two kinds of
-        gradient pieces after the dp reduction; the model's ``p``-norm."""
+    def sum_over_tp(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The gradient norm's partial sum (``|g| ** p`` summed, or the maximum for the inf-norm) of tp-sharded
+        pieces and of replicated ones made one: here there are no tp-sharded pieces."""
         return _combine(sharded, replicated, norm_type)
 
 
@@ -146,7 +146,7 @@ class TensorParallel(NoTensorParallel):
         shape, offset = compute_local_shape_and_global_offset(whole.shape, slot.local.mesh, slot.local.placements)
         return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
 
-    def total_norm(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
+    def sum_over_tp(self, sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The tp-sharded pieces' partial sum (or maximum) taken over tp as well; replicated pieces counted once."""
         op = "max" if norm_type == math.inf else "sum"
         self.comm.all_reduce(sharded, op=op, what="all-reduce over tp of the gradient norm").wait()
@@ -154,9 +154,7 @@ class TensorParallel(NoTensorParallel):
 
 
 def _combine(sharded: torch.Tensor, replicated: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if norm_type == math.inf:
-        return torch.maximum(sharded, replicated).to(torch.float32)
-    return (sharded + replicated).pow(1.0 / norm_type).to(torch.float32)
+    return torch.maximum(sharded, replicated) if norm_type == math.inf else sharded + replicated
 
 
 def tensor_parallel_of(model: torch.nn.Module, dp: Communicator, timeout_s: float) -> NoTensorParallel:

@@ -2,7 +2,7 @@
 
 Gradient states (:class:`GradState`), checked on every transition::
 
-    EMPTY ──no_sync pass──> ACCUMULATING ──synced pass──> REDUCING ──end of pass──> REDUCED
+    EMPTY ──no_sync pass──> ACCUMULATING ──synced pass, or reduce_accumulated()──> REDUCING ──end──> REDUCED
       └──────────────────────synced pass──────────────────────^                        │
     REDUCED ──another pass before step() (stage.reopen)──> ACCUMULATING or REDUCING <──┘
     any state outside a pass ──zero_grad(), or model.zero_grad() on every parameter──> EMPTY
@@ -43,8 +43,9 @@ Life of one backward pass:
    so that what the user does to it before the next pass can be seen.
 
 Inside ``no_sync()`` hooks only record that a gradient exists; the gradients stay local
-and the next synchronized pass reduces their sum. A pass that dies with an error (detected by
-:class:`~zero.runtime.gathering.backward_pass.BackwardPass`) leaves its gradients incomplete: its
+and the next synchronized pass reduces their sum, or :meth:`GradReducer.reduce_accumulated` does with no pass (a
+pipeline schedule's gradient reduction after its last micro-batch, ``zero.pipelining``). A pass that dies with an
+error (detected by :class:`~zero.runtime.gathering.backward_pass.BackwardPass`) leaves its gradients incomplete: its
 collectives are drained and everything else is refused until the gradients are cleared.
 """
 
@@ -109,6 +110,7 @@ class GradReducer:
         self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
         self.tensor_parallel = tensor_parallel  # makes tp-partial gradients whole; checks plain ones agree over tp
         self.sync_enabled = True  # False inside no_sync()
+        self.divide_factor = 1  # the reduction divides by the dp size times this (a pipeline's micro-batches)
         self.state = GradState.EMPTY
         self._pass = BackwardPass()
         self._reopened = False  # this pass reopened reduced gradients (stage.reopen)
@@ -164,6 +166,12 @@ class GradReducer:
                 slot.used_here = slot.used_anywhere = False
                 slot.local_grad = slot.wide_grad = None
         elif grad is slot.grad_guard:
+            scalings = grad.take_scalings()
+            if scalings:
+                if self.state is not GradState.REDUCED:
+                    raise ValueError(f"p.grad of {slot.name!r} was scaled in place while it held both a reduced "
+                                     "gradient and a backward pass's local one since; scale it after the reduction")
+                self.stage.scale_grad(bucket, slot, scalings)
             if grad.take_zeroed():
                 self.stage.clear_grad(bucket, slot)
                 if slot.local_grad is not None:
@@ -247,6 +255,34 @@ class GradReducer:
                 elif slot.used_anywhere and slot.grad is None:
                     slot.grad = self.stage.published_grad(bucket, slot)
 
+    def accumulate_written(self, params: list[torch.Tensor]) -> None:
+        """Under ``no_sync()``: the gradients of ``params`` were written into ``p.grad`` by hand, not accumulated by
+        autograd (torch's pipelining splits backward into an input pass and a weight pass, and its weight pass runs
+        ``torch.autograd.grad`` and adds the result to ``p.grad``), so no hook saw them: recorded as arrived."""
+        assert not self.sync_enabled, "gradients written by hand are taken in without a reduction only"
+        index = {id(slot.param): i for i, slot in enumerate(self.slots)}
+        for p in params:
+            if id(p) in index and p.grad is not None:
+                self._on_grad(index[id(p)], p)
+
+    def reduce_accumulated(self, divide_factor: int) -> None:
+        """Reduce the gradients accumulated by ``no_sync()`` passes now, with no backward pass, divided by the dp
+        size times ``divide_factor``: a pipeline schedule's reduction after its last micro-batch, which torch's
+        schedules follow with a division by the number of micro-batches (folded in here)."""
+        self.apply_user_grad_edits()
+        if self.state is GradState.REDUCING:
+            raise ValueError("gradients reduced from inside a backward pass (from a hook?); reduce them after it")
+        if self.state is GradState.INTERRUPTED:
+            raise ValueError(_INTERRUPTED)
+        if self.state is not GradState.ACCUMULATING:
+            return  # nothing since the last reduction, or no gradient at all: as a synced pass would leave them
+        self._open_round()
+        self.divide_factor = divide_factor
+        try:
+            self._end_pass()
+        finally:
+            self.divide_factor = 1
+
     # ----- collectives -----------------------------------------------------------------------------------
 
     def _launch(self, bucket: Bucket) -> None:
@@ -257,7 +293,7 @@ class GradReducer:
         grads = self.stage.collect(bucket)
         self.scaler.observe(grads)
         self.tensor_parallel.observe(bucket, grads)
-        handle = self.stage.launch_reduce(bucket, self.comm)
+        handle = self.stage.launch_reduce(bucket, self.comm, self.divide_factor)
         bucket.staging.start_collective()
         self._order.launched(bucket, handle)
 

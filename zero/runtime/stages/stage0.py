@@ -104,12 +104,14 @@ class Stage0:
         """Gather the bucket's local gradients into ``staging`` and return it (here: they are in it)."""
         return bucket.staging.data
 
-    def launch_reduce(self, bucket: Bucket, comm: Communicator) -> Handle:
+    def launch_reduce(self, bucket: Bucket, comm: Communicator, divide_factor: int = 1) -> Handle:
         """Start reducing ``staging`` (filled by :meth:`collect`). It is divided by the world size before
         summing, as DDP does, so the sum is the average (and its rounding is DDP's); with hierarchical sharding
-        by every rank's count, as the sum runs across the groups too."""
-        if comm.data_parallel_size > 1:
-            bucket.staging.data.div_(comm.data_parallel_size)
+        by every rank's count, as the sum runs across the groups too. ``divide_factor``: divided by that too (a
+        pipeline schedule's micro-batches: one division, not two)."""
+        divisor = comm.data_parallel_size * divide_factor
+        if divisor > 1:
+            bucket.staging.data.div_(divisor)
         return self.reduce(bucket, comm)
 
     def reduce(self, bucket: Bucket, comm: Communicator) -> Handle:

@@ -92,6 +92,15 @@ class Stage1(Stage0):
             "without mixed precision keeps whole gradients in p.grad.)"
         )
 
+    def scale_grad(self, bucket: Bucket, slot: ParamSlot, scalings: list[tuple[str, float]]) -> None:
+        """``p.grad.div_(n)`` (or ``mul_``) on the guard of a reduced gradient: the same on this rank's pieces (and
+        on the optimizer's fp32 copy of them, if this step's is made already)."""
+        made = bucket.master_grad is not None and bucket.master_grad.is_allocated
+        for chunk in (bucket.grad_shard, bucket.master_grad.data) if made else (bucket.grad_shard,):
+            for view in bucket.pieces_of(slot, chunk):
+                for name, value in scalings:
+                    getattr(view, name)(value)
+
     def clear_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         super().clear_grad(bucket, slot)
         if self.carries and bucket.grad_carry.is_allocated:

@@ -1,0 +1,210 @@
+"""Pipeline parallelism in a real world (issue 48): ``ZeroOptimizer`` over the parts of a model cut for torch's
+``torch.distributed.pipelining`` on a dp x pp mesh of gloo ranks, what each rank runs (``test_pipeline_world.py``
+compares it).
+
+Every run trains ``zero.models.LlamaGPT`` (cut by ``zero.models.pipeline_parts``, names kept) for a few steps with
+AdamW, clipped at ``CLIP``, on the same global batch, with torch's schedules at their defaults (``scale_grads=True``,
+a mean loss per micro-batch):
+
+* in one process, whole (the reference, computed on every rank alike);
+* FSDP2 on each part + torch's ``PipelineStage``: the anchor, whose deviation from the reference is the noise floor
+  (clipped over the whole pipeline by hand, as torchtitan does);
+* ``ZeroOptimizer(..., mesh=mesh["dp"])`` + ``zero.pipelining.PipelineStage`` at stages 0-3 (one reduction per step);
+* ``ZeroOptimizer(..., mesh=mesh)`` + torch's own ``PipelineStage`` at stages 0-3 (one reduction per micro-batch);
+
+under ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` (two parts per rank, one optimizer over
+both), and the zero-bubble ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` at stages 0-2 (refused
+at stage 3: ``zero_bubble_refused_at_stage3``, in a world of one rank holding both parts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+import zero
+from zero.models import LlamaConfig, LlamaGPT, lm_loss, local_slice, pipeline_parts, synthetic_batch
+from zero.pipelining import PipelineStage
+
+CFG = LlamaConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=4, num_heads=4)
+STEPS, CLIP, LR = 3, 0.5, 1e-2
+MICRO = 4  # micro-batches per step
+MICRO_BATCH = 2  # sequences per micro-batch
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+ZERO_BUBBLE = {"zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+ZERO_BUBBLE_STAGES = (0, 1, 2)
+BUCKET_MB = 0.02  # a few buckets per part
+
+
+def _model() -> LlamaGPT:
+    torch.manual_seed(0)
+    return LlamaGPT(CFG)
+
+
+def _batch(step: int, global_batch: int):
+    return synthetic_batch(step, global_batch, CFG, seed=11)
+
+
+def reference(global_batch: int) -> dict:
+    """Single-process training of the whole model on the global batch."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = model.loss(*_batch(step, global_batch))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "params": _state(model)}
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in module.state_dict().items()}
+
+
+class Pipe:
+    """This rank's parts of a ``num_parts``-part pipeline over ``mesh["pp"]`` (part ``i`` on pp rank ``i % pp``)."""
+
+    def __init__(self, mesh, num_parts: int, v_shape: bool = False):
+        self.mesh, self.pp = mesh, mesh["pp"].size()
+        self.parts = pipeline_parts(_model(), num_parts)
+        rank = mesh["pp"].get_local_rank()
+        self.mine = [i for i in range(num_parts) if i % self.pp == rank]
+        if v_shape:  # ScheduleZBVZeroBubble's "V": rank r holds parts r and 2 pp - 1 - r
+            self.mine = [rank, num_parts - 1 - rank]
+        held = [self.parts[i] for i in self.mine]
+        self.module = held[0] if len(held) == 1 else torch.nn.ModuleList(held)
+
+    def schedule(self, name: str, stage_class, **stage_kwargs):
+        stages = [stage_class(self.parts[i], i, len(self.parts), torch.device("cpu"),
+                              group=self.mesh["pp"].get_group(), **stage_kwargs) for i in self.mine]
+        interleaved = len(stages) > 1
+        return (SCHEDULES | ZERO_BUBBLE)[name](stages if interleaved else stages[0], MICRO, loss_fn=lm_loss)
+
+    def train(self, schedule, clip, step_fn, stats=lambda: {}) -> dict:
+        dp_rank, dp = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+        first = self.mesh["pp"].get_local_rank() == 0
+        losses, norms, traffic = [], [], []
+        for step in range(STEPS):
+            x, y = _batch(step, dp * MICRO * MICRO_BATCH)
+            x, y = local_slice(x, dp_rank, dp), local_slice(y, dp_rank, dp)
+            micro: list[torch.Tensor] = []
+            schedule.step(*((x,) if first else ()), target=y, losses=micro)
+            norms.append(float(clip()))
+            step_fn()
+            traffic.append(stats())
+            loss = torch.stack(micro).detach().mean() if micro else torch.zeros(())
+            dist.all_reduce(loss)  # the last part's dp ranks hold the losses
+            losses.append(float(loss) / dp)
+        return {"losses": losses, "norms": norms, "traffic": traffic}
+
+
+def fsdp2(mesh, name: str) -> dict:
+    pipe = _pipe(mesh, name)
+    for i in pipe.mine:
+        fully_shard(pipe.parts[i], mesh=mesh["dp"])
+    opt = torch.optim.AdamW(pipe.module.parameters(), lr=LR)
+    out = pipe.train(pipe.schedule(name, TorchPipelineStage), lambda: _clip_fsdp2(pipe.module, mesh),
+                     lambda: (opt.step(), opt.zero_grad()))
+    return out | {"params": _held_state(pipe)}
+
+
+@torch.no_grad()
+def _clip_fsdp2(module: torch.nn.Module, mesh) -> torch.Tensor:
+    """torchtitan's clip under pipelining: the parts' squared norms summed over pp, one coefficient."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    squares = sum(g.full_tensor().double().pow(2).sum() for g in grads)
+    dist.all_reduce(squares, group=mesh["pp"].get_group())
+    norm = squares.sqrt().float()
+    for g in grads:
+        g.mul_(torch.clamp(CLIP / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False) -> dict:
+    """``torch_stage``: torch's own ``PipelineStage``, the pipeline given to ZeroOptimizer by the mesh."""
+    pipe = _pipe(mesh, name)
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=stage,
+                             mesh=mesh if torch_stage else mesh["dp"], bucket_size_mb=BUCKET_MB)
+    schedule = pipe.schedule(name, TorchPipelineStage if torch_stage else PipelineStage)
+    out = pipe.train(schedule, lambda: opt.clip_grad_norm_(CLIP), lambda: (opt.step(), opt.zero_grad()),
+                     lambda: {kind: s["calls"] for kind, s in opt.comm_stats.items()})
+    with opt.gathered_parameters():
+        params = _held_state(pipe)
+    return out | {"params": params, "buckets": len(opt.buckets)}
+
+
+def _pipe(mesh, name: str) -> Pipe:
+    one_part = name in ("gpipe", "1f1b")
+    return Pipe(mesh, mesh["pp"].size() * (1 if one_part else 2), v_shape=name == "zbv")
+
+
+def _held_state(pipe: Pipe) -> dict[str, torch.Tensor]:
+    return {k: v for i in pipe.mine for k, v in _state(pipe.parts[i]).items()}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_stages: tuple[int, ...]) -> dict:
+    """dp ``world_size // 2`` x pp 2: the reference, then FSDP2 + pipelining and zero at ``stages`` under each
+    schedule (zero-bubble ones at stages 0-2), and zero with torch's own stage under 1F1B at ``torch_stages`` (the
+    same on every rank; each returns the lot)."""
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "pp"))
+    out: dict = {"reference": reference(mesh["dp"].size() * MICRO * MICRO_BATCH)}
+    for name in (*SCHEDULES, *ZERO_BUBBLE):
+        out[name, "fsdp2"] = fsdp2(mesh, name)
+        for stage in stages if name in SCHEDULES else [s for s in stages if s in ZERO_BUBBLE_STAGES]:
+            out[name, stage] = zero_pipeline(mesh, name, stage)
+    for stage in torch_stages:
+        out["1f1b", stage, "torch_stage"] = zero_pipeline(mesh, "1f1b", stage, torch_stage=True)
+    return _merged(out, mesh)
+
+
+def zero_bubble_refused_at_stage3(rank: int, world_size: int) -> str:
+    """One rank holding both parts of a pp-1 pipeline (no peer to leave waiting): ``ScheduleInterleavedZeroBubble``
+    at stage 3, refused at its first input pass."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    pipe = Pipe(mesh, 2)
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=3,
+                             mesh=mesh["dp"])
+    schedule = pipe.schedule("zero_bubble", PipelineStage)
+    return _error(lambda: pipe.train(schedule, lambda: opt.clip_grad_norm_(CLIP), opt.step))
+
+
+def _merged(out: dict, mesh) -> dict:
+    """Every run's parameters from each pp rank's parts put together (the dp ranks hold the same)."""
+    gathered = [None] * mesh["pp"].size()
+    params = {key: run["params"] for key, run in out.items() if isinstance(run, dict) and "params" in run}
+    dist.all_gather_object(gathered, params, group=mesh["pp"].get_group())
+    for key in params:
+        out[key]["params"] = {k: v for part in gathered for k, v in part[key].items()}
+    return out
+
+
+def rel_l2(run: dict, ref: dict) -> float:
+    a, b = run["params"], ref["params"]
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    num = math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in b))
+    return num / math.sqrt(sum(float(b[k].pow(2).sum()) for k in b))
