@@ -18,8 +18,9 @@ by the memory tracker's categories with the phase, module and event where it hap
 Checked against ``zero.profile`` on the same configuration (``tests/distributed/test_estimate_world.py``):
 the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``, a CNN, at stages 0-3,
 world sizes 1-3 and two micro-batches, Muon with AdamW and Adafactor at stages 0-3 on every rank of worlds of 2
-and 3 (``estimate_world optimizers``), and a 1.1B GPT at stage 3 on 64 simulated ranks. It prices from the
-operator's shapes: the CPU convolution's own buffers (oneDNN's blocked copies and GEMM workspaces,
+and 3 (``estimate_world optimizers``), a 1.1B GPT at stage 3 on 64 simulated ranks, and a tensor-parallel
+LlamaGPT on dp 2 x tp 2 at stages 0-3 (``estimate(..., tensor_parallel=tp)``: :mod:`zero.estimator.tensor_parallel`).
+It prices from the operator's shapes: the CPU convolution's own buffers (oneDNN's blocked copies and GEMM workspaces,
 slow_conv2d's columns: :mod:`zero.estimator.workspaces`) and the CPU bf16 matmul's (oneDNN's scratchpad:
 :mod:`zero.estimator.matmul_workspaces`). What it cannot see: what other kernels allocate inside themselves (e.g.
 oneDNN's smaller convolution scratchpads), which fake tensors do not run, and what
