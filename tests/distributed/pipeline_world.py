@@ -34,9 +34,18 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 import zero
-from zero.models import LlamaConfig, LlamaGPT, lm_loss, local_slice, pipeline_parts, synthetic_batch
+from zero.models import (
+    LlamaConfig,
+    LlamaGPT,
+    lm_loss,
+    local_slice,
+    pipeline_parts,
+    synthetic_batch,
+    tensor_parallel_plan,
+)
 from zero.pipelining import PipelineStage
 
 CFG = LlamaConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=4, num_heads=4)
@@ -69,7 +78,7 @@ def reference(global_batch: int) -> dict:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms, "params": _state(model)}
 
 
@@ -109,9 +118,9 @@ class Pipe:
             norms.append(float(clip()))
             step_fn()
             traffic.append(stats())
-            loss = torch.stack(micro).detach().mean() if micro else torch.zeros(())
-            dist.all_reduce(loss)  # the last part's dp ranks hold the losses
-            losses.append(float(loss) / dp)
+            held = torch.stack([torch.stack(micro).detach().mean(), torch.ones(())]) if micro else torch.zeros(2)
+            dist.all_reduce(held)  # the last part's ranks hold the losses (its dp ranks, and its tp ranks alike)
+            losses.append(float(held[0] / held[1]))
         return {"losses": losses, "norms": norms, "traffic": traffic}
 
 
@@ -208,3 +217,41 @@ def rel_l2(run: dict, ref: dict) -> float:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     num = math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in b))
     return num / math.sqrt(sum(float(b[k].pow(2).sum()) for k in b))
+
+
+# ----- dp x tp x pp ------------------------------------------------------------------------------------------------
+
+def _tensor_parallel(part: torch.nn.Module, mesh, sequence_parallel: bool) -> torch.nn.Module:
+    """The part split by torchtitan's Llama plan over ``mesh["tp"]`` (the plan's entries for modules it holds)."""
+    plan = tensor_parallel_plan(_model(), sequence_parallel)
+    held = {name for name, _ in part.named_modules()}
+    return parallelize_module(part, mesh["tp"], {k: v for k, v in plan.items() if k in held})
+
+
+def three_d(mesh, stage: int | str, sequence_parallel: bool) -> dict:
+    """1F1B over dp x tp x pp: each part tensor-parallel over tp, then FSDP2 (``stage="fsdp2"``) or zero over dp."""
+    pipe = _pipe(mesh, "1f1b")
+    for i in pipe.mine:
+        _tensor_parallel(pipe.parts[i], mesh, sequence_parallel)
+    if stage == "fsdp2":
+        fully_shard(pipe.module, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(pipe.module.parameters(), lr=LR)
+        out = pipe.train(pipe.schedule("1f1b", TorchPipelineStage), lambda: _clip_fsdp2(pipe.module, mesh),
+                         lambda: (opt.step(), opt.zero_grad()))
+        return out | {"params": _held_state(pipe)}
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=stage,
+                             mesh=mesh["dp"], bucket_size_mb=BUCKET_MB)
+    out = pipe.train(pipe.schedule("1f1b", PipelineStage), lambda: opt.clip_grad_norm_(CLIP),
+                     lambda: (opt.step(), opt.zero_grad()))
+    with opt.gathered_parameters():
+        return out | {"params": _held_state(pipe)}
+
+
+def three_d_checks(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
+    """dp 2 x pp 2 x tp 2 (8 ranks): the reference, FSDP2 + TP + pipelining and zero at ``stages``, both plans."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    out: dict = {"reference": reference(mesh["dp"].size() * MICRO * MICRO_BATCH)}
+    for plan, sequence_parallel in (("plan1", False), ("plan2", True)):
+        for stage in ("fsdp2", *stages):
+            out[plan, stage] = three_d(mesh, stage, sequence_parallel)
+    return _merged(out, mesh)

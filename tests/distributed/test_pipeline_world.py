@@ -1,6 +1,7 @@
 """Pipeline parallelism (issue 48): ``ZeroOptimizer`` at stages 0-3 over the parts of ``LlamaGPT`` cut for torch's
 pipeline schedules at their defaults, on a dp 2 x pp 2 mesh, against single-process training on the global batch,
-with FSDP2 + pipelining on the same mesh as the noise floor (``pipeline_world.pipeline_checks``: one world).
+with FSDP2 + pipelining on the same mesh as the noise floor (``pipeline_world.pipeline_checks``: one world); and
+dp 2 x pp 2 x tp 2 at stages 1 and 3 against FSDP2 + TP + pipelining (``three_d_checks``: a world of 8).
 
 Tolerances: FSDP2 + pipelining's own deviation from the reference is ~2e-6 (relative L2 of the parameters after 3
 AdamW steps: four micro-batch means added and divided instead of one mean over the batch). Ours must be within
@@ -21,6 +22,7 @@ from tests.distributed.pipeline_world import (
     ZERO_BUBBLE_STAGES,
     pipeline_checks,
     rel_l2,
+    three_d_checks,
     zero_bubble_refused_at_stage3,
 )
 from tests.distributed.tensor_parallel_world import loss_gap, norm_gap
@@ -89,3 +91,20 @@ def test_stage0_all_reduces_once_per_bucket(world):
 def test_zero_bubble_at_stage3_is_refused_by_name():
     message = run_world(zero_bubble_refused_at_stage3, 1)[0]
     assert "zero-bubble schedule" in message and "at stage 3" in message, message
+
+
+THREE_D_STAGES = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def world_3d(request):
+    if request.config.getoption("--quick", default=False):
+        pytest.skip("--quick: the 2-D world only")
+    return run_world(three_d_checks, 8, THREE_D_STAGES)[0]
+
+
+@pytest.mark.parametrize("plan", ("plan1", "plan2"))
+@pytest.mark.parametrize("stage", THREE_D_STAGES)
+def test_dp_tp_pp_trains_like_single_process(world_3d, plan, stage):
+    """Each part split by torch's TP over tp (plan 2: sequence parallel), zero over dp, pipelined over pp."""
+    _like_fsdp2(world_3d[plan, stage], world_3d[plan, "fsdp2"], world_3d["reference"], f"3-D {plan} stage {stage}")

@@ -168,10 +168,7 @@ class GradReducer:
         elif grad is slot.grad_guard:
             scalings = grad.take_scalings()
             if scalings:
-                if self.state is not GradState.REDUCED:
-                    raise ValueError(f"p.grad of {slot.name!r} was scaled in place while it held both a reduced "
-                                     "gradient and a backward pass's local one since; scale it after the reduction")
-                self.stage.scale_grad(bucket, slot, scalings)
+                self.stage.scale_grad(bucket, slot, scalings, reduced=self.state is GradState.REDUCED)
             if grad.take_zeroed():
                 self.stage.clear_grad(bucket, slot)
                 if slot.local_grad is not None:
@@ -256,24 +253,20 @@ class GradReducer:
                     slot.grad = self.stage.published_grad(bucket, slot)
 
     def accumulate_written(self, params: list[torch.Tensor]) -> None:
-        """Under ``no_sync()``: the gradients of ``params`` were written into ``p.grad`` by hand, not accumulated by
-        autograd (torch's pipelining splits backward into an input pass and a weight pass, and its weight pass runs
-        ``torch.autograd.grad`` and adds the result to ``p.grad``), so no hook saw them: recorded as arrived."""
+        """Under ``no_sync()``: gradients written into ``p.grad`` by hand, which no hook saw (torch's pipelining's
+        weight pass: ``torch.autograd.grad``, then ``p.grad += dw``), recorded as arrived."""
         assert not self.sync_enabled, "gradients written by hand are taken in without a reduction only"
         index = {id(slot.param): i for i, slot in enumerate(self.slots)}
-        for p in params:
-            if id(p) in index and p.grad is not None:
-                self._on_grad(index[id(p)], p)
+        for i in [index[id(p)] for p in params if id(p) in index and p.grad is not None]:
+            self._on_grad(i, self.slots[i].param)
 
     def reduce_accumulated(self, divide_factor: int) -> None:
-        """Reduce the gradients accumulated by ``no_sync()`` passes now, with no backward pass, divided by the dp
-        size times ``divide_factor``: a pipeline schedule's reduction after its last micro-batch, which torch's
-        schedules follow with a division by the number of micro-batches (folded in here)."""
+        """Reduce the gradients of ``no_sync()`` passes now, with no backward pass, divided by the dp size times
+        ``divide_factor`` (a pipeline schedule's reduction after its last micro-batch, and its ``scale_grads``)."""
         self.apply_user_grad_edits()
-        if self.state is GradState.REDUCING:
-            raise ValueError("gradients reduced from inside a backward pass (from a hook?); reduce them after it")
-        if self.state is GradState.INTERRUPTED:
-            raise ValueError(_INTERRUPTED)
+        if self.state in (GradState.REDUCING, GradState.INTERRUPTED):
+            raise ValueError("gradients reduced from inside a backward pass (from a hook?), or after one that failed "
+                             "part-way; reduce them after the last micro-batch's backward")
         if self.state is not GradState.ACCUMULATING:
             return  # nothing since the last reduction, or no gradient at all: as a synced pass would leave them
         self._open_round()
@@ -393,10 +386,9 @@ class GradReducer:
 
 
 def _widen(slot: ParamSlot) -> None:
-    """Under ``no_sync()``, when the reduce dtype is wider than the parameters' (bf16 parameters, fp32
-    reduction): move the pass's gradient into an accumulator in the reduce dtype, so that micro-batches add
-    up in it (as FSDP2 does) rather than in bf16; the reduction adds it in (``StagedReduction.collect``).
-    ``p.grad`` stays, zeroed in place, for autograd to accumulate the next pass into (``0 + g`` is exact)."""
+    """Under ``no_sync()`` with a reduce dtype wider than the parameters' (bf16 parameters, fp32 reduction): the pass's
+    gradient moved into an accumulator in the reduce dtype, where micro-batches add up (as FSDP2 does; the reduction
+    adds it in, ``StagedReduction.collect``); ``p.grad`` zeroed in place for the next pass (``0 + g`` is exact)."""
     dtypes = slot.bucket.dtypes
     grad = slot.grad
     if grad is None or dtypes.reduce.itemsize <= dtypes.compute.itemsize:

@@ -92,9 +92,12 @@ class Stage1(Stage0):
             "without mixed precision keeps whole gradients in p.grad.)"
         )
 
-    def scale_grad(self, bucket: Bucket, slot: ParamSlot, scalings: list[tuple[str, float]]) -> None:
-        """``p.grad.div_(n)`` (or ``mul_``) on the guard of a reduced gradient: the same on this rank's pieces (and
-        on the optimizer's fp32 copy of them, if this step's is made already)."""
+    def scale_grad(self, bucket: Bucket, slot: ParamSlot, scalings: list[tuple[str, float]], reduced: bool) -> None:
+        """``p.grad.div_(n)`` (or ``mul_``) on the guard of a ``reduced`` gradient: the same on this rank's pieces
+        (and on the optimizer's fp32 copy of them, if this step's is made already)."""
+        if not reduced:
+            raise ValueError(f"p.grad of {slot.name!r} was scaled in place while it held both a reduced gradient and "
+                             "a backward pass's local one since; scale it after the reduction")
         made = bucket.master_grad is not None and bucket.master_grad.is_allocated
         for chunk in (bucket.grad_shard, bucket.master_grad.data) if made else (bucket.grad_shard,):
             for view in bucket.pieces_of(slot, chunk):
