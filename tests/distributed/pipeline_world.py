@@ -188,7 +188,24 @@ def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_s
             out[name, stage] = zero_pipeline(mesh, name, stage)
     for stage in torch_stages:
         out["1f1b", stage, "torch_stage"] = zero_pipeline(mesh, "1f1b", stage, torch_stage=True)
+    out["refusals"] = _refusals(mesh)
     return _merged(out, mesh)
+
+
+def _refusals(mesh) -> dict[str, str]:
+    """zero.pipelining.PipelineStage over a part no ZeroOptimizer manages, with a dw_builder, and a second stage
+    over the same optimizer on another group."""
+    pipe = _pipe(mesh, "1f1b")
+    part, index, cpu = pipe.parts[pipe.mine[0]], pipe.mine[0], torch.device("cpu")
+    group = mesh["pp"].get_group()
+    unmanaged = _error(lambda: PipelineStage(part, index, 2, cpu, group=group))
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(part.parameters()), part, stage=1, mesh=mesh["dp"])
+    out = {"unmanaged": unmanaged,
+           "dw_builder": _error(lambda: PipelineStage(part, index, 2, cpu, group=group, dw_builder=lambda: None))}
+    PipelineStage(part, index, 2, cpu, group=group)
+    out["two_pipelines"] = _error(lambda: PipelineStage(part, index, 2, cpu, group=mesh["dp"].get_group(),
+                                                        optimizer=opt))
+    return out
 
 
 def zero_bubble_refused_at_stage3(rank: int, world_size: int) -> str:

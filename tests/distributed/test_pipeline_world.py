@@ -88,6 +88,13 @@ def test_stage0_all_reduces_once_per_bucket(world):
     assert [t["all_reduce"] for t in run["traffic"]] == [run["buckets"] + 1] * 3, run["traffic"]
 
 
+def test_refusals_name_the_cause(world):
+    out = world["refusals"]
+    assert "none manages them" in out["unmanaged"], out
+    assert "dw_builder" in out["dw_builder"], out
+    assert "two pipelines" in out["two_pipelines"], out
+
+
 def test_zero_bubble_at_stage3_is_refused_by_name():
     message = run_world(zero_bubble_refused_at_stage3, 1)[0]
     assert "zero-bubble schedule" in message and "at stage 3" in message, message
