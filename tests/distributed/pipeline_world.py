@@ -146,11 +146,12 @@ def _clip_fsdp2(module: torch.nn.Module, mesh) -> torch.Tensor:
     return norm
 
 
-def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False) -> dict:
-    """``torch_stage``: torch's own ``PipelineStage``, the pipeline given to ZeroOptimizer by the mesh."""
+def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False, **overrides) -> dict:
+    """``torch_stage``: torch's own ``PipelineStage``, the pipeline given to ZeroOptimizer by the mesh;
+    ``overrides``: ZeroConfig fields."""
     pipe = _pipe(mesh, name)
     opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=stage,
-                             mesh=mesh if torch_stage else mesh["dp"], bucket_size_mb=BUCKET_MB)
+                             mesh=mesh if torch_stage else mesh["dp"], **{"bucket_size_mb": BUCKET_MB, **overrides})
     schedule = pipe.schedule(name, TorchPipelineStage if torch_stage else PipelineStage)
     out = pipe.train(schedule, lambda: opt.clip_grad_norm_(CLIP), lambda: (opt.step(), opt.zero_grad()),
                      lambda: {kind: s["calls"] for kind, s in opt.comm_stats.items()})
@@ -188,6 +189,9 @@ def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_s
             out[name, stage] = zero_pipeline(mesh, name, stage)
     for stage in torch_stages:
         out["1f1b", stage, "torch_stage"] = zero_pipeline(mesh, "1f1b", stage, torch_stage=True)
+    if 3 in stages:  # blocks as units (each part owning the rest), kept gathered from forward to backward
+        out["interleaved", 3, "blocks_kept"] = zero_pipeline(mesh, "interleaved", 3, unit_classes=["LlamaBlock"],
+                                                             reshard_after_forward=False)
     out["refusals"] = _refusals(mesh)
     return _merged(out, mesh)
 

@@ -62,6 +62,13 @@ def test_torch_own_stage_is_exact_with_the_pipeline_from_the_mesh(world, stage):
     _like_fsdp2(run, world["1f1b", "fsdp2"], world["reference"], f"torch's stage, stage {stage}")
 
 
+def test_stage3_blocks_kept_gathered_over_several_parts(world):
+    """Two parts per rank under one optimizer, LlamaBlock units, reshard_after_forward=False: each part owns what its
+    blocks do not (the ModuleList of parts has no forward to gather a root unit)."""
+    run = world["interleaved", 3, "blocks_kept"]
+    _like_fsdp2(run, world["interleaved", "fsdp2"], world["reference"], "interleaved stage 3, blocks kept")
+
+
 def test_fsdp2_anchor_is_exact(world):
     """The noise floor itself is small (else the comparison proves nothing)."""
     for name in (*SCHEDULES, *ZERO_BUBBLE):

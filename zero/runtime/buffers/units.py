@@ -6,7 +6,8 @@ unit; it owns every parameter that no nested unit claims.
 
 Units are modules that run a forward of their own: a container that has none (``nn.ModuleList``,
 ``nn.ModuleDict``, whose layers the parent calls one by one) is never a unit; its children are
-candidates in its place.
+candidates in its place. A root that is such a container (a pipeline rank's parts in an ``nn.ModuleList``, each
+called by its own stage) has its running children as units always: they own what no unit inside them claims.
 
 Note: a parameter used by modules of different units (tied embeddings, a module shared
 between blocks) belongs to the innermost unit that encloses *all* of its users. Units
@@ -47,7 +48,10 @@ def plan_units(
         names = _by_size(model, set(managed), unit_size_bytes)
     else:
         names = _module_list_children(model)
-    names = [""] + [n for n in names if n]
+    if not runs_forward(model):  # a container of parts: each part stands in for the root
+        names = list(dict.fromkeys([*names, *_running("", model)]))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    names = [""] + sorted((n for n in names if n), key=order.__getitem__)
     modules = dict(model.named_modules())
     units = {name: UnitSpec(name, modules[name]) for name in names}
     owners = _direct_owners(model)
@@ -95,7 +99,8 @@ def _running(name: str, module: nn.Module) -> list[str]:
     """``name`` if the module runs a forward of its own, else the outermost modules inside it that do."""
     if runs_forward(module):
         return [name]
-    return [found for child, sub in module.named_children() for found in _running(f"{name}.{child}", sub)]
+    return [found for child, sub in module.named_children()
+            for found in _running(f"{name}.{child}" if name else child, sub)]
 
 
 def _by_size(model: nn.Module, managed: set[nn.Parameter], threshold: int) -> list[str]:
