@@ -138,6 +138,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :meth:`reduce_gradients` reduces them."""
         self.runtime.reducer.sync_enabled = requires_gradient_sync
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """FSDP2's switch (stage 3): ``False`` keeps each unit that backward reaches gathered until :meth:`step`, so a
+        pipeline step's later micro-batches gather it no more (the part's gathered parameters held meanwhile)."""
+        self.runtime.gatherer.set_reshard_after_backward(reshard_after_backward)
+
     def reduce_gradients(self, divide_factor: int = 1) -> None:
         """Reduce now, with no backward pass, the gradients accumulated with synchronization off, averaged over the
         dp ranks and divided by ``divide_factor`` too: a pipeline schedule's one reduction per step after its last

@@ -8,10 +8,11 @@ with the synchronization off (the gradients accumulate locally) and, at the sche
 last one, reduces them once, with torch's division by the number of micro-batches (``scale_grads``) folded into the
 reduction's division by the dp size. The zero-bubble schedules split each backward into an input pass and a weight
 pass, whose gradients torch computes with ``torch.autograd.grad`` and writes into ``p.grad`` by hand, past the
-optimizer's hooks: this stage hands them to the optimizer after each weight pass (stages 0-2; refused at stage 3,
-whose units are released before the weight pass). It also tells the optimizer the pipeline's ranks, so that
-``clip_grad_norm_`` returns and applies the whole model's norm. With several parts on one rank under one optimizer
-(interleaved schedules), the reduction waits for the last of them. See docs/parallelism.md.
+optimizer's hooks: this stage hands them to the optimizer after each weight pass (at stage 3 with the units kept
+gathered from the input pass to the step, ``set_reshard_after_backward(False)``: the weight pass reads them). It
+also tells the optimizer the pipeline's ranks, so that ``clip_grad_norm_`` returns and applies the whole model's
+norm. With several parts on one rank under one optimizer (interleaved schedules), the reduction waits for the last
+of them. See docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -24,11 +25,6 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from zero.optimizer import ZeroOptimizer
 from zero.runtime.guards.ownership import optimizer_of
-
-_SPLIT_BACKWARD = (
-    "splits backward into an input pass and a weight pass (a zero-bubble schedule: ScheduleInterleavedZeroBubble, "
-    "ScheduleZBVZeroBubble, ScheduleDualPipeV)"
-)
 
 
 class PipelineStage(_TorchPipelineStage):
@@ -55,12 +51,8 @@ class PipelineStage(_TorchPipelineStage):
         self.pipeline = self.optimizer.runtime.join_pipeline(self.group or dist.group.WORLD, stage_index)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        if backward_type != "full" and self.optimizer.runtime.gatherer.sharded:
-            raise ValueError(
-                f"zero: this pipeline schedule {_SPLIT_BACKWARD}; at stage 3 its weight pass would read parameters "
-                "released after the input pass. Use stages 0-2 with it, or ScheduleGPipe, Schedule1F1B or "
-                "ScheduleInterleaved1F1B at stage 3"
-            )
+        if backward_type != "full":  # stage 3: the weight pass reads what the input pass gathered
+            self.optimizer.set_reshard_after_backward(False)
         with self.optimizer.no_sync():
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             if backward_type == "weight":  # p.grad written by hand: no hook saw it

@@ -13,8 +13,8 @@ a mean loss per micro-batch):
 * ``ZeroOptimizer(..., mesh=mesh)`` + torch's own ``PipelineStage`` at stages 0-3 (one reduction per micro-batch);
 
 under ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` (two parts per rank, one optimizer over
-both), and the zero-bubble ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` at stages 0-2 (refused
-at stage 3: ``zero_bubble_refused_at_stage3``, in a world of one rank holding both parts).
+both), and the zero-bubble ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble``; stage 3 with its units
+kept gathered from their first backward to the step (``set_reshard_after_backward(False)``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ MICRO = 4  # micro-batches per step
 MICRO_BATCH = 2  # sequences per micro-batch
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 ZERO_BUBBLE = {"zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
-ZERO_BUBBLE_STAGES = (0, 1, 2)
 BUCKET_MB = 0.02  # a few buckets per part
 
 
@@ -146,12 +145,13 @@ def _clip_fsdp2(module: torch.nn.Module, mesh) -> torch.Tensor:
     return norm
 
 
-def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False, **overrides) -> dict:
-    """``torch_stage``: torch's own ``PipelineStage``, the pipeline given to ZeroOptimizer by the mesh;
-    ``overrides``: ZeroConfig fields."""
+def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False, kept: bool = False, **overrides) -> dict:
+    """``torch_stage``: torch's own ``PipelineStage``, the pipeline given to ZeroOptimizer by the mesh; ``kept``:
+    ``opt.set_reshard_after_backward(False)``; ``overrides``: ZeroConfig fields."""
     pipe = _pipe(mesh, name)
     opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=stage,
                              mesh=mesh if torch_stage else mesh["dp"], **{"bucket_size_mb": BUCKET_MB, **overrides})
+    opt.set_reshard_after_backward(not kept)
     schedule = pipe.schedule(name, TorchPipelineStage if torch_stage else PipelineStage)
     out = pipe.train(schedule, lambda: opt.clip_grad_norm_(CLIP), lambda: (opt.step(), opt.zero_grad()),
                      lambda: {kind: s["calls"] for kind, s in opt.comm_stats.items()})
@@ -179,19 +179,20 @@ def _error(fn) -> str:
 
 def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_stages: tuple[int, ...]) -> dict:
     """dp ``world_size // 2`` x pp 2: the reference, then FSDP2 + pipelining and zero at ``stages`` under each
-    schedule (zero-bubble ones at stages 0-2), and zero with torch's own stage under 1F1B at ``torch_stages`` (the
+    schedule, and zero with torch's own stage under 1F1B at ``torch_stages`` (the
     same on every rank; each returns the lot)."""
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "pp"))
     out: dict = {"reference": reference(mesh["dp"].size() * MICRO * MICRO_BATCH)}
     for name in (*SCHEDULES, *ZERO_BUBBLE):
         out[name, "fsdp2"] = fsdp2(mesh, name)
-        for stage in stages if name in SCHEDULES else [s for s in stages if s in ZERO_BUBBLE_STAGES]:
+        for stage in stages:
             out[name, stage] = zero_pipeline(mesh, name, stage)
     for stage in torch_stages:
         out["1f1b", stage, "torch_stage"] = zero_pipeline(mesh, "1f1b", stage, torch_stage=True)
-    if 3 in stages:  # blocks as units (each part owning the rest), kept gathered from forward to backward
-        out["interleaved", 3, "blocks_kept"] = zero_pipeline(mesh, "interleaved", 3, unit_classes=["LlamaBlock"],
-                                                             reshard_after_forward=False)
+    if 3 in stages:  # blocks as units (each part owning the rest): resharded as usual, kept over the step's backwards
+        for name in ("1f1b", "interleaved"):
+            out[name, 3, "blocks"] = zero_pipeline(mesh, name, 3, unit_classes=["LlamaBlock"])
+            out[name, 3, "blocks_kept"] = zero_pipeline(mesh, name, 3, kept=True, unit_classes=["LlamaBlock"])
     out["refusals"] = _refusals(mesh)
     return _merged(out, mesh)
 
@@ -210,17 +211,6 @@ def _refusals(mesh) -> dict[str, str]:
     out["two_pipelines"] = _error(lambda: PipelineStage(part, index, 2, cpu, group=mesh["dp"].get_group(),
                                                         optimizer=opt))
     return out
-
-
-def zero_bubble_refused_at_stage3(rank: int, world_size: int) -> str:
-    """One rank holding both parts of a pp-1 pipeline (no peer to leave waiting): ``ScheduleInterleavedZeroBubble``
-    at stage 3, refused at its first input pass."""
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
-    pipe = Pipe(mesh, 2)
-    opt = zero.ZeroOptimizer(torch.optim.AdamW(pipe.module.parameters(), lr=LR), pipe.module, stage=3,
-                             mesh=mesh["dp"])
-    schedule = pipe.schedule("zero_bubble", PipelineStage)
-    return _error(lambda: pipe.train(schedule, lambda: opt.clip_grad_norm_(CLIP), opt.step))
 
 
 def _merged(out: dict, mesh) -> dict:

@@ -24,6 +24,8 @@ waited for or released; it keeps each unit's progress and runs no collective. It
 * a backward pass that builds a graph (``create_graph=True``: a gradient penalty, double backward): the graph it
   builds reads the parameters of every unit it passes through, so from its first unit on nothing is released, in
   forward or backward, until a backward pass that builds no graph (the one through the penalty) ends, or the step;
+* ``reshard_after_backward=False`` (pipelining, FSDP2's switch): a unit that backward reaches stays gathered until
+  the step, through the step's later micro-batches (their forwards and backwards gather nothing more for it);
 * hpZ's secondary copies: a unit's copy is *current* once a gather of it has completed, until every unit is released
   or its shards are written (:meth:`GatherOrder.forget`); a gather that backward issues (not an exact one) for a
   unit whose copy is current reads the copies (``zero.runtime.gathering.secondary``).
@@ -105,6 +107,8 @@ class GatherOrder(Generic[U]):
         self.current: set[U] = set()  # units whose secondary copy is current (hpZ)
         self.held = False  # a backward pass built a graph that reads gathered parameters: release nothing
         self.building = False  # the backward pass running builds a graph
+        self.reshard_after_backward = True  # False: a unit gathered for backward stays so until the step (pipelining)
+        self.kept: set[U] = set()  # units so kept
 
     # ----- gather, wait, release ----------------------------------------------------------------------
 
@@ -130,7 +134,7 @@ class GatherOrder(Generic[U]):
 
     def release(self, unit: U) -> None:
         progress = self.progress[unit]
-        if progress.state is UnitState.SHARDED or self.held:
+        if progress.state is UnitState.SHARDED or self.held or unit in self.kept:
             return
         self.wait(unit, backward=False)  # never release a buffer a collective is still writing
         self.gathers.release(unit)
@@ -140,10 +144,13 @@ class GatherOrder(Generic[U]):
         """``unit``'s shards were written: its secondary copy is no longer current."""
         self.current.discard(unit)
 
-    def release_all(self, keep: Iterable[U] = ()) -> None:
-        """Release every unit (but ``keep``) and forget any pass in progress (the step, the end of backward, a pass
-        interrupted by an error); no copy stays current but those gathered again now (a gather in flight)."""
+    def release_all(self, keep: Iterable[U] = (), *, kept_too: bool = True) -> None:
+        """Release every unit (but ``keep``, and unless ``kept_too`` those kept after backward) and forget any pass in
+        progress (the step, the end of backward, a pass interrupted by an error); no copy stays current but those
+        gathered again now (a gather in flight)."""
         keep = list(keep)
+        if kept_too:
+            self.kept.clear()
         self.held = self.building = False
         self.depth = 0
         self.finished = None
@@ -236,6 +243,8 @@ class GatherOrder(Generic[U]):
         if progress.in_backward:
             return
         progress.in_backward = True
+        if not self.reshard_after_backward:
+            self.kept.add(unit)
         self.backward_order.append(unit)
         self.wait(unit, backward=True)
         self._prefetch(self.backward_order, self.previous_backward, backward=True)
@@ -270,7 +279,7 @@ class GatherOrder(Generic[U]):
                 progress.forget()
         else:
             self.release_all(keep=[u for u in self.units if self.progress[u].is_root
-                                   and self.progress[u].state is not UnitState.SHARDED])
+                                   and self.progress[u].state is not UnitState.SHARDED], kept_too=False)
         self.previous_backward, self.backward_order = self.backward_order, []
 
     def backward_interrupted(self) -> None:

@@ -211,6 +211,10 @@ class ParamGatherer:
     def reshard(self, unit: Unit) -> None:
         self.order.release(unit)
 
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        """``False``: a unit backward reaches stays gathered until the step (``GatherOrder.reshard_after_backward``)."""
+        self.order.reshard_after_backward = reshard
+
     def reshard_all(self, keep: list[Unit] = ()) -> None:
         """Release every unit (but ``keep``) and forget any pass in progress (also one interrupted by an error)."""
         self._forget_pass()

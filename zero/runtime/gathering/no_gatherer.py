@@ -22,6 +22,9 @@ class NoGatherer:
     def reshard_all(self, keep: list[Unit] = ()) -> None:
         pass
 
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        pass
+
     def gathering_buckets(self) -> set[Bucket]:
         return set()
 
