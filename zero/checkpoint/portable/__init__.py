@@ -11,7 +11,9 @@ of the parameters it steps whole (Muon, Adafactor, ...: :mod:`zero.checkpoint.po
 them, and the whole state of the parameters it owns now. Both see the model's tensors through
 :mod:`zero.checkpoint.portable.model_tensors`. A tensor-parallel model's checkpoint (format 4) holds each tensor as
 boxes of its global shape, one per tp rank's local tensor (:mod:`zero.checkpoint.portable.boxes`; a replicated one
-once), in parts named by the rank over dp x tp, so that it loads at any tp and dp degree, and without tp.
+once), in parts named by the rank over dp x tp, so that it loads at any tp and dp degree, and without tp. Every rank
+of a pipeline saves into one checkpoint of the whole model, under its parts' names, each tensor once
+(:mod:`zero.checkpoint.portable.pipeline`), which loads into the whole model or into parts at any pp degree.
 
 Notes:
 
@@ -36,7 +38,8 @@ The modules: ``save`` and ``load``; ``reader`` (:class:`zero.checkpoint.portable
 one verifies); ``schema`` (``metadata.json``); ``tensorfile`` (the safetensors layout, a tensor at a time);
 ``directory`` (where a checkpoint lives, the atomic replacement); ``tree`` (nested state as JSON); ``whole_state``
 (the state of parameters stepped whole); ``model_tensors`` (the model's tensors, what the checkpoint reads of
-the optimizer, and the ranks it spans); ``boxes`` (a tensor-parallel model's boxes and reading across them).
+the optimizer, and the ranks it spans); ``boxes`` (a tensor-parallel model's boxes and reading across them);
+``pipeline`` (what the pp ranks of a pipeline tell one another, so that they write one checkpoint of the whole model).
 """
 
 from zero.checkpoint.portable.load import load_checkpoint

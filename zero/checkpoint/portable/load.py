@@ -1,5 +1,7 @@
 """Loading a portable checkpoint (:mod:`zero.checkpoint.portable`) at any world size and stage: every check
-first, on every rank, then each rank reads the ranges it owns now from whichever files hold them."""
+first, on every rank, then each rank reads the ranges it owns now from whichever files hold them. A pipeline's
+parts load from a checkpoint of the whole model, each rank its own parts' tensors
+(:mod:`zero.checkpoint.portable.pipeline`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,17 @@ import torch
 import zero.checkpoint.portable.tree as tree
 from zero.checkpoint import optimizer_set
 from zero.checkpoint.portable.boxes import local_box, local_tensor
-from zero.checkpoint.portable.model_tensors import Checkpointable, Grid, ModelTensor, checked, describe
+from zero.checkpoint.portable.model_tensors import (
+    Checkpointable,
+    Grid,
+    Model,
+    ModelTensor,
+    checked,
+    describe,
+    parts_of,
+    slot_names,
+)
+from zero.checkpoint.portable.pipeline import pipeline_names
 from zero.checkpoint.portable.reader import Checkpoint
 from zero.checkpoint.progress import Progress, ProgressArg
 from zero.runtime.buffers.bucket import ParamSlot
@@ -22,7 +34,7 @@ from zero.runtime.step.inner import Inner
 
 def load_checkpoint(
     path: str | os.PathLike,
-    model: torch.nn.Module,
+    model: Model,
     optimizer: Checkpointable | None = None,
     *,
     scheduler: Any = None,
@@ -38,6 +50,12 @@ def load_checkpoint(
     and, if given, ``scheduler``. With ``optimizer=None`` it loads only the weights
     into a plain, unwrapped model (single process). Everything is checked first (the model's names
     and shapes, the optimizer, the files' sizes and checksums): a refused load changes nothing.
+
+    A pipeline's part (its pipeline known to the optimizer: a ``zero.pipelining.PipelineStage`` over it, or
+    ``mesh=`` with a ``"pp"`` dimension) reads its own tensors from a checkpoint of the whole model, saved at any pp
+    degree or without a pipeline; its names must be the checkpoint's, and the pipeline's parts together all of
+    them. ``model``: as for :func:`save_checkpoint` (the part, or this rank's parts as a list or as the
+    ``nn.ModuleList`` the optimizer wraps).
     """
     if optimizer is None:
         return _load_plain(path, model, progress)
@@ -46,13 +64,16 @@ def load_checkpoint(
     ckpt = grid.everywhere(lambda: Checkpoint(path), "opening the checkpoint")
     try:
         report = progress if grid.rank == 0 or callable(progress) else False
-        plan = grid.everywhere(lambda: _plan(ckpt, model, opt, report), "checking the checkpoint")
+        model_tensors, aliases = grid.everywhere(lambda: describe(parts_of(model, opt), opt), "describing the model")
+        held = pipeline_names(grid, {h.name for h in model_tensors} | set(aliases))
+        plan = grid.everywhere(lambda: _plan(ckpt, opt, model_tensors, aliases, held, report),
+                               "checking the checkpoint")
         opt.prepare_for_checkpoint()
         _apply(ckpt, opt, plan)
         if scheduler is not None and plan.state["scheduler"] is not None:
             scheduler.load_state_dict(plan.state["scheduler"])
         ranks, tp = ckpt.meta.world_size, ckpt.meta.tensor_parallel
-        mesh = f" (dp {ranks // tp} x tp {tp})" if tp else ""
+        mesh = f" (tp {tp})" if tp else ""
         plan.meter.finish(f"loaded {ckpt.path} "
                           f"(saved on {ranks} rank{'s' if ranks > 1 else ''}{mesh} at stage {ckpt.meta.stage})")
         return plan.state["extra"]
@@ -67,19 +88,21 @@ class LoadPlan:
     meter: Progress
 
 
-def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: Checkpointable, report: ProgressArg) -> LoadPlan:
-    """Every check, and the checksums of everything this rank reads; nothing is changed."""
-    model_tensors, aliases = describe(model, opt)
+def _plan(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[ModelTensor], aliases: dict[str, str],
+          held: set[str] | None, report: ProgressArg) -> LoadPlan:
+    """Every check, and the checksums of everything this rank reads; nothing is changed. ``held``: the names the
+    pipeline's parts hold together (None: no pipeline, this model is the whole)."""
     shapes = {h.name: tuple(h.tensor.shape) for h in model_tensors}
-    _check_names(ckpt, {**shapes, **{alias: shapes[name] for alias, name in aliases.items()}})
+    _check_names(ckpt, {**shapes, **{alias: shapes[name] for alias, name in aliases.items()}}, held=held)
     _check_optimizer(ckpt, opt, model_tensors)
     keys = ckpt.extra_keys()
     for h in model_tensors:
         name, box = ckpt.meta.aliases.get(h.name, h.name), h.box
         for start, numel in _ranges(h, opt):
             keys |= ckpt.keys_of(name, start, numel, state=h.slot is not None and h.slot.bucket.trainable, box=box)
+    names = slot_names(model_tensors)
     for slot, _ in opt.runtime.owners.owned():  # the whole parameters this rank steps: their state
-        keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(slot.name, slot.name))
+        keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(names[id(slot)], names[id(slot)]))
     meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
     ckpt.verify(keys, on_bytes=meter.advance)
     state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
@@ -89,14 +112,17 @@ def _plan(ckpt: Checkpoint, model: torch.nn.Module, opt: Checkpointable, report:
     return LoadPlan(model_tensors, state, meter)
 
 
-def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: int = 4) -> None:
-    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds. The
+def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: int = 4,
+                 held: set[str] | None = None) -> None:
+    """The model's ``state_dict`` names (tied names included) and ``shapes`` are those the checkpoint holds (a
+    pipeline's part: the checkpoint's, and ``held``, the names of the pipeline's parts together, all of them). The
     refusal names the shape mismatches first, then the names only the checkpoint has, then those only the model
     has, each with its count (the first ``shown`` of each listed)."""
     aliases = ckpt.meta.aliases
     saved = {name: tuple(ckpt.tensors[aliases.get(name, name)].shape) for name in [*ckpt.tensors, *aliases]}
     differ = [name for name in sorted(saved.keys() & shapes.keys()) if saved[name] != tuple(shapes[name])]
-    only_saved, only_model = sorted(saved.keys() - shapes.keys()), sorted(shapes.keys() - saved.keys())
+    only_saved = sorted(saved.keys() - (shapes.keys() if held is None else held))
+    only_model = sorted(shapes.keys() - saved.keys())
     if not (differ or only_saved or only_model):
         return
     halves = []
@@ -105,12 +131,18 @@ def _check_names(ckpt: Checkpoint, shapes: dict[str, tuple[int, ...]], shown: in
                            for n in differ[:shown])
         halves.append(f"{_count(differ, 'tensor')} of another shape ({listed}{_more(differ, shown)})")
     if only_saved:
-        halves.append(f"the checkpoint has {_count(only_saved, 'tensor')} that the model lacks "
-                      f"({', '.join(map(repr, only_saved[:shown]))}{_more(only_saved, shown)})")
+        lacking = "the model lacks" if held is None else "no part of the pipeline holds"
+        halves.append(f"the checkpoint has {_count(only_saved, 'tensor')} that {lacking} "
+                      f"({', '.join(map(repr, only_saved[:shown]))}{_more(only_saved, shown)})"
+                      + (_PART_HINT if held is None and not only_model and not differ else ""))
     if only_model:
         halves.append(f"the model has {_count(only_model, 'tensor')} that the checkpoint lacks "
                       f"({', '.join(map(repr, only_model[:shown]))}{_more(only_model, shown)})")
     raise ValueError(f"{ckpt.path} is a checkpoint of another model: {'; '.join(halves)}")
+
+
+_PART_HINT = (" (if the model is one part of a pipeline: give its ZeroOptimizer mesh=mesh with its 'pp' dimension, or "
+              "build its zero.pipelining.PipelineStage, before loading)")
 
 
 def _count(names: list[str], what: str) -> str:
@@ -163,14 +195,15 @@ def _apply(ckpt: Checkpoint, opt: Checkpointable, plan: LoadPlan) -> None:
             for p in bucket.layout.pieces(bucket.shard_index):
                 if p.param_index == h.slot.span.param_index:
                     ckpt.read(name, p.param_start, p.numel, target.narrow(0, p.chunk_start, p.numel), box=box)
-    states = [_inner_state(ckpt, opt, inner, plan.state["param_groups"]) for inner in opt.runtime.inners]
+    states = [_inner_state(ckpt, opt, inner, plan) for inner in opt.runtime.inners]
     opt.finish_load(states[0] if len(states) == 1 else states, plan.state["loss_scale"])
 
 
-def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, hyper: list[dict[str, Any]]) -> dict[str, Any]:
+def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, plan: LoadPlan) -> dict[str, Any]:
     """The ``torch.optim`` state dict of one wrapped optimizer over this rank's share, read from ``ckpt``: each
     piece's state cut from the saved pieces (flat), or each owned whole parameter's state as its owner saved it."""
     aliases = ckpt.meta.aliases
+    names = slot_names(plan.model_tensors)
     inner.optimizer.state.clear()
     piece_of = {id(p.tensor): p for b in opt.buckets for p in b.pieces}
     slot_of: dict[int, ParamSlot] = {id(stand_in): slot for slot, stand_in in opt.runtime.owners.owned()}
@@ -179,25 +212,28 @@ def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, hyper: lis
         ids = []
         for tensor in group["params"]:
             if inner.whole:
-                slot = slot_of[id(tensor)]
-                saved = ckpt.whole_state(aliases.get(slot.name, slot.name))
+                name = names[id(slot_of[id(tensor)])]
+                saved = ckpt.whole_state(aliases.get(name, name))
             else:
                 piece = piece_of[id(tensor)]
-                saved = ckpt.read_state(aliases.get(piece.slot.name, piece.slot.name), piece.piece.param_start,
+                name = names[id(piece.slot)]
+                saved = ckpt.read_state(aliases.get(name, name), piece.piece.param_start,
                                         piece.piece.numel, into=partial(opt.runtime.paging.state_target, piece),
                                         box=local_box(piece.slot.param))
             if saved:
                 state[index] = saved
             ids.append(index)
             index += 1
-        groups.append({**hyper[gi], "params": ids})
+        groups.append({**plan.state["param_groups"][gi], "params": ids})
     return {"state": state, "param_groups": groups}
 
 
-def _load_plain(path: str | os.PathLike, model: torch.nn.Module, progress: ProgressArg) -> Any:
-    """Weights only, into an unwrapped model (one process; or each rank of a tensor-parallel one its boxes)."""
+def _load_plain(path: str | os.PathLike, model: Model, progress: ProgressArg) -> Any:
+    """Weights only, into an unwrapped model (one process; or each rank of a tensor-parallel one its boxes; or the
+    whole model's parts, as a list)."""
     with Checkpoint(path) as ckpt:
-        sd = model.state_dict(keep_vars=True)
+        parts = list(model) if isinstance(model, (list, tuple)) else [model]
+        sd = {name: value for part in parts for name, value in part.state_dict(keep_vars=True).items()}
         _check_names(ckpt, {name: tuple(tensor.shape) for name, tensor in sd.items()})
         names = {name: ckpt.meta.aliases.get(name, name) for name in sd}
         keys = ckpt.extra_keys()

@@ -1,6 +1,7 @@
 """Saving a portable checkpoint (:mod:`zero.checkpoint.portable`: the format, and what makes it atomic): each
 rank writes what it alone owns (with several optimizers or whole-parameter ones, the whole state of the parameters
-it owns too), then rank 0 writes ``metadata.json`` and renames the directory into place."""
+it owns too), then rank 0 writes ``metadata.json`` and renames the directory into place. Every rank of a pipeline
+writes into one checkpoint of the whole model (:mod:`zero.checkpoint.portable.pipeline`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,17 @@ import zero.checkpoint.portable.tree as tree
 import zero.checkpoint.portable.whole_state as whole_state
 from zero.checkpoint import optimizer_set
 from zero.checkpoint.portable.boxes import Box, label, local_tensor, replicated
-from zero.checkpoint.portable.model_tensors import Checkpointable, Grid, ModelTensor, checked, describe
+from zero.checkpoint.portable.model_tensors import (
+    Checkpointable,
+    Grid,
+    Model,
+    ModelTensor,
+    checked,
+    describe,
+    parts_of,
+    slot_names,
+)
+from zero.checkpoint.portable.pipeline import pipeline_view
 from zero.checkpoint.portable.schema import BOXES_FORMAT, FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
 from zero.checkpoint.portable.tensorfile import Spec
 from zero.checkpoint.progress import Progress, ProgressArg
@@ -28,7 +39,7 @@ from zero.version import __version__
 
 def save_checkpoint(
     path: str | os.PathLike,
-    model: torch.nn.Module,
+    model: Model,
     optimizer: Checkpointable,
     *,
     scheduler: Any = None,
@@ -47,6 +58,11 @@ def save_checkpoint(
     rank 0 (``True``), nothing (``False``) or a callable ``(bytes done, bytes total)``, called on
     every rank. Returns ``path``. With hierarchical sharding the first shard group writes the shards, which every
     group holds alike, and the other groups wait for it (the checkpoint is a ``shard_size``-rank world's).
+
+    A pipeline's part (its pipeline known to the optimizer: a ``zero.pipelining.PipelineStage`` over it, or
+    ``mesh=`` with a ``"pp"`` dimension) saves into one checkpoint of the whole model with every rank of the
+    pipeline, under the parts' names; ``model`` is the part, or this rank's parts as a list or as the
+    ``nn.ModuleList`` the optimizer wraps (each part's names, without the list's index).
     """
     opt = checked(model, optimizer)
     replicas = opt.comm.replicas
@@ -59,40 +75,45 @@ def save_checkpoint(
     return Path(replicas.everywhere(write, "saving the checkpoint in the first shard group", share=True)[0])
 
 
-def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, scheduler: Any, extra: Any,
+def _save(path: str | os.PathLike, model: Model, opt: Checkpointable, scheduler: Any, extra: Any,
           progress: ProgressArg) -> Path:
     grid = Grid.of(opt)
     final = Path(path)
     partial, _ = checkpoint_directory.siblings(final)
     opt.prepare_for_checkpoint()
+    optimizers = optimizer_set.records(opt.runtime.inners)
+    one_flat = len(optimizers) == 1 and optimizers[0]["path"] == "flat"  # format 2, as before format 3
+    boxed = grid.tp is not None  # format 4: a tensor-parallel model's tensors as boxes of their global shapes
 
-    def prepare() -> tuple:
-        model_tensors, aliases = describe(model, opt)
+    def describe_model() -> tuple:
         state = {"param_groups": _hyperparameters(opt), "scheduler": _state_of(scheduler), "extra": extra,
                  "loss_scale": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None}
         tensors: list[torch.Tensor] = []
         encoded = tree.encode(state, tensors)  # on every rank: a bad ``extra`` fails everywhere, before any write
-        writes, placed = _my_writes(opt, grid, model_tensors)
+        return (*describe(parts_of(model, opt), opt), encoded, tensors)
+
+    model_tensors, aliases, encoded, tensors = grid.everywhere(describe_model, "describing the model")
+    pipeline = pipeline_view(grid, opt, model_tensors, aliases, boxed, encoded["param_groups"], optimizers)
+
+    def prepare() -> tuple:
+        writes, placed = _my_writes(opt, grid, model_tensors, pipeline.elsewhere)
         if grid.rank == 0:
             writes += [(Spec(f"x/{i}", t.dtype, tuple(t.shape)), lambda t=t: t) for i, t in enumerate(tensors)]
             checkpoint_directory.prepare(final)
-        return model_tensors, aliases, encoded, writes, placed
+        return writes, placed
 
-    model_tensors, aliases, encoded, writes, placed = grid.everywhere(prepare, "preparing the save")
+    writes, placed = grid.everywhere(prepare, "preparing the save")
     report = progress if grid.rank == 0 or callable(progress) else False
     meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
     manifests = grid.everywhere(lambda: _write_part(partial, grid, writes, placed, meter), "writing its part",
                                 share=True)
-    optimizers = optimizer_set.records(opt.runtime.inners)
-    one_flat = len(optimizers) == 1 and optimizers[0]["path"] == "flat"  # format 2, as before format 3
-    boxed = grid.tp is not None  # format 4: a tensor-parallel model's tensors as boxes of their global shapes
     meta = {
         "format": BOXES_FORMAT if boxed else FORMAT if one_flat else OPTIMIZERS_FORMAT, "zero_version": __version__,
         "torch_version": torch.__version__, "world_size": grid.world_size,
         **({"tensor_parallel": grid.tp_size} if boxed else {}), "stage": opt.config.stage,
         "config": opt.config.model_dump(mode="json"), "optimizer_class": " + ".join(o["class"] for o in optimizers),
         "step": max(m["step"] for m in manifests),
-        "tensors": {h.name: h.record(boxed) for h in model_tensors}, "aliases": aliases, "state": encoded,
+        "tensors": pipeline.records, "aliases": pipeline.aliases, "state": encoded,
         "files": [{"name": part_name(r, grid.world_size), "bytes": m["bytes"], "entries": m["entries"]}
                   for r, m in enumerate(manifests)],
         **({} if one_flat and not boxed else {"optimizers": optimizers}),
@@ -121,19 +142,22 @@ def _save(path: str | os.PathLike, model: torch.nn.Module, opt: Checkpointable, 
 Write = tuple[Spec, Callable[[], torch.Tensor]]
 
 
-def _my_writes(opt: Checkpointable, grid: Grid, model_tensors: list[ModelTensor]) -> tuple[list[Write], dict]:
+def _my_writes(opt: Checkpointable, grid: Grid, model_tensors: list[ModelTensor],
+               elsewhere: set[str]) -> tuple[list[Write], dict]:
     """What this rank writes: its chunk of each bucket it writes (values and the flat optimizer state, piece by
     piece), its share of the tensors kept whole, and the optimizer state of the whole parameters it writes; and
     where they go in the metadata: ``{"pieces": {tensor name: [[start, numel, value key, {state name: key}], ...]},
     "whole": {parameter name: {"keys", "tree"}}}``. A tensor-parallel model's (format 4): pieces of each tensor's
     local box, keys with the box's offset (``v/NAME/OFFSET/START``), ``"boxes": {tensor name: [offset, size]}``; a
     replicated tensor (plain, or ``Replicate()``) and the whole-parameter state (each tp rank's owner steps the global
-    tensor) are written by tp rank 0 alone."""
+    tensor) are written by tp rank 0 alone. Nothing of the tensors another pp rank writes (``elsewhere``)."""
     comm, boxed = opt.comm, grid.tp is not None
     writes: list[Write] = []
     pieces: dict[str, list] = {}
     boxes: dict[str, list] = {}
-    mine = {h.name for h in model_tensors if not boxed or grid.tp_rank == 0 or not replicated(h.tensor)}
+    names = slot_names(model_tensors)
+    mine = {h.name for h in model_tensors if h.name not in elsewhere
+            and (not boxed or grid.tp_rank == 0 or not replicated(h.tensor))}
     for h in model_tensors:
         if boxed and h.name in mine:
             box = h.box or Box.whole(h.tensor.shape)
@@ -144,23 +168,24 @@ def _my_writes(opt: Checkpointable, grid: Grid, model_tensors: list[ModelTensor]
             continue
         source = bucket.master if bucket.trainable else bucket.shard
         slot_of = {s.span.param_index: s for s in bucket.slots}
-        local = {(p.slot.name, p.piece.param_start): p.tensor for p in bucket.pieces}
+        local = {(id(p.slot), p.piece.param_start): p.tensor for p in bucket.pieces}
         for piece in bucket.layout.pieces(bucket.shard_index):
             slot = slot_of[piece.param_index]
-            if slot.name not in mine:
+            name = names[id(slot)]
+            if name not in mine:
                 continue
-            key = f"{slot.name}/{_box_key(boxes, slot.name)}{piece.param_start}"
+            key = f"{name}/{_box_key(boxes, name)}{piece.param_start}"
             values = source.narrow(0, piece.chunk_start, piece.numel)
             writes.append((Spec(f"v/{key}", values.dtype, (piece.numel,)), lambda v=values: v))
-            tensor = local.get((slot.name, piece.param_start))
+            tensor = local.get((id(slot), piece.param_start))
             state = next((s[tensor] for s in flat_state if tensor in s), {}) if tensor is not None else {}
             for state_name, value in state.items():
                 if not isinstance(value, torch.Tensor) or value.dim() not in (0, 1):
-                    raise ValueError(f"optimizer state {state_name!r} of {slot.name!r} is not a tensor of the "
+                    raise ValueError(f"optimizer state {state_name!r} of {name!r} is not a tensor of the "
                                      "piece's size or a scalar tensor; this optimizer cannot be checkpointed")
                 writes.append((Spec(f"s/{key}/{state_name}", value.dtype, tuple(value.shape)), lambda v=value: v))
             record = [piece.param_start, piece.numel, f"v/{key}", {n: f"s/{key}/{n}" for n in state}]
-            pieces.setdefault(slot.name, []).append(record)
+            pieces.setdefault(name, []).append(record)
     whole = [h for h in model_tensors if h.slot is None]
     for i, h in enumerate(whole):
         values = local_tensor(h.tensor).detach()
@@ -169,7 +194,9 @@ def _my_writes(opt: Checkpointable, grid: Grid, model_tensors: list[ModelTensor]
             writes.append((Spec(key, values.dtype, tuple(values.shape)), lambda t=values: t))
             pieces[h.name] = [[0, values.numel(), key, {}]]
     whole = {}
-    for name, state, optimizer in _whole_states(opt) if grid.tp_rank == 0 else []:  # the same on every tp rank
+    for name, state, optimizer in _whole_states(opt, names) if grid.tp_rank == 0 else []:  # the same on each tp rank
+        if name in elsewhere:
+            continue
         record, tensors = whole_state.encode(state, name, optimizer_set.class_name(optimizer))
         writes += [(Spec(key, t.dtype, tuple(t.shape)), lambda t=t: t) for key, t in zip(record["keys"], tensors)]
         whole[name] = record
@@ -181,7 +208,7 @@ def _box_key(boxes: dict[str, list], name: str) -> str:
     return f"{label(boxes[name][0])}/" if name in boxes else ""
 
 
-def _whole_states(opt: Checkpointable) -> list[tuple[str, dict, torch.optim.Optimizer]]:
+def _whole_states(opt: Checkpointable, names: dict[int, str]) -> list[tuple[str, dict, torch.optim.Optimizer]]:
     """``(parameter name, optimizer state, optimizer)`` of each parameter stepped whole that this rank writes and
     that has state: its owner writes it, or with one shard (stage 0), where every rank owns every such parameter,
     rank ``i mod N`` the ``i``-th of them in model order."""
@@ -199,7 +226,7 @@ def _whole_states(opt: Checkpointable) -> list[tuple[str, dict, torch.optim.Opti
             for stand_in in group["params"]:
                 state = inner.optimizer.state.get(stand_in)
                 if state and writer[id(stand_in)] == opt.comm.rank:
-                    found.append((slot_of[id(stand_in)].name, state, inner.optimizer))
+                    found.append((names[id(slot_of[id(stand_in)])], state, inner.optimizer))
     return found
 
 
