@@ -18,8 +18,10 @@ by the memory tracker's categories with the phase, module and event where it hap
 Checked against ``zero.profile`` on the same configuration (``tests/distributed/test_estimate_world.py``):
 the project's GPT, Hugging Face GPT-2 and Llama with the loss inside ``forward``, a CNN, at stages 0-3,
 world sizes 1-3 and two micro-batches, Muon with AdamW and Adafactor at stages 0-3 on every rank of worlds of 2
-and 3 (``estimate_world optimizers``), a 1.1B GPT at stage 3 on 64 simulated ranks, and a tensor-parallel
-LlamaGPT on dp 2 x tp 2 at stages 0-3 (``estimate(..., tensor_parallel=tp)``: :mod:`zero.estimator.tensor_parallel`).
+and 3 (``estimate_world optimizers``), a 1.1B GPT at stage 3 on 64 simulated ranks, a tensor-parallel
+LlamaGPT on dp 2 x tp 2 at stages 0-3 (``estimate(..., tensor_parallel=tp)``: :mod:`zero.estimator.tensor_parallel`),
+and the parts of a pipelined LlamaGPT under GPipe and 1F1B on dp 2 x pp 2 and pp 3 at stages 1-3
+(``estimate(..., pipeline=Pipeline(...))``: :mod:`zero.estimator.pipeline`).
 It prices from the operator's shapes: the CPU convolution's own buffers (oneDNN's blocked copies and GEMM workspaces,
 slow_conv2d's columns: :mod:`zero.estimator.workspaces`) and the CPU bf16 matmul's (oneDNN's scratchpad:
 :mod:`zero.estimator.matmul_workspaces`). What it cannot see: what other kernels allocate inside themselves (e.g.
@@ -37,8 +39,8 @@ policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 from zero.activations import ActivationCheckpointing
 from zero.config import ZeroConfig
@@ -48,6 +50,7 @@ from zero.estimator.configuration import DISK_PATH, POLICIES, Units, precision_n
 from zero.estimator.offloading import OffloadChoice
 from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
+from zero.estimator.pipeline import Pipeline, check_part, compose
 from zero.estimator.schedule import Options, replay
 from zero.estimator.tensor_parallel import check_tensor_parallel, price_in_child
 from zero.estimator.traffic import Traffic, communication_policy, secondary_size, stages_for, step_traffic
@@ -124,6 +127,7 @@ class Estimate:
     rank: int = 0  # the rank priced: the one asked for, else the worst (see estimate()), else 0
     config: ZeroConfig = field(default_factory=ZeroConfig)  # the configuration priced, as ZeroOptimizer takes it
     tensor_parallel: int = 1  # the tp degree: world_size ranks as dp x tp, dp = world_size // tensor_parallel
+    pipeline: Pipeline | None = None  # a pipeline part's place and schedule (world_size: the part's dp ranks)
 
     @property
     def peak(self) -> float:
@@ -158,6 +162,7 @@ def estimate(
     no_sync: bool = False,
     rank: int | None = None,
     tensor_parallel: int = 1,
+    pipeline: Pipeline | Mapping[str, Any] | None = None,
     **settings: Any,
 ) -> Estimate:
     """One rank's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
@@ -197,12 +202,19 @@ def estimate(
     (``Workload(..., parallelize=fn)``); ``world_size`` is then every rank, dp x tp, the model states are sharded over
     the dp ranks, and ``rank`` is a global rank (``divmod(rank, tensor_parallel)`` is its place on the mesh). It is
     priced in a process of its own (:mod:`zero.estimator.tensor_parallel`).
+    ``pipeline``: the workload is one part of a pipeline, trained under torch's ``ScheduleGPipe`` or ``Schedule1F1B``
+    with ``zero.pipelining.PipelineStage`` (a :class:`zero.estimator.Pipeline`, or a mapping of its fields:
+    ``schedule``, ``stages``, ``stage_index``, ``micro_batches``); ``world_size`` is the part's dp ranks,
+    ``micro_batch`` one micro-batch, and the step is the schedule's micro-batches on this part
+    (:mod:`zero.estimator.pipeline`).
     """
     config = priced_config(config, **settings)
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size and micro_batch must be >= 1, got {world_size} and {micro_batch}")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank must be a whole number from 0 to world_size - 1 = {world_size - 1}, got {rank!r}")
+    pipe = Pipeline.of(pipeline)
+    check_part(workload, pipe, tensor_parallel)
     mesh = check_tensor_parallel(workload.parallelize, world_size, tensor_parallel, config)
     if mesh is not None and workload.mesh is None:  # (split over a fake (dp, tp) mesh in a child process)
         return price_in_child(estimate, workload, mesh, rank or 0, dict(
@@ -223,7 +235,12 @@ def estimate(
     precision, units, checkpointing = config.precision, Units.of(config), config.activation_checkpointing
     options = Options(choice, config.max_in_flight_buckets, config.prefetch_units, config.reshard_after_forward,
                       no_sync, CodecMemory.of(policy, group, world_size))
-    timeline = workload.timeline(micro_batch, precision, checkpointing, units)
+    timeline = workload.timeline(micro_batch, precision, checkpointing, units, pipe.part if pipe else None)
+    if pipe is not None:  # (the schedule's micro-batches on this part, reduced once after the last)
+        part = compose(timeline, pipe)
+        timeline = part.timeline
+        options = replace(options, pipelined=True, pipeline_buffers=part.buffers, step_held=part.step_held,
+                          reshard_after_backward=pipe.reshard_after_backward)
 
     def priced(shard: int | None) -> tuple[Any, Any]:
         layout = workload.layout(config.stage, group, precision, config.bucket_size_mb, choice,
@@ -248,6 +265,7 @@ def estimate(
         traffic=step_traffic(config.stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy,
                              group, world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
         rank=(rank if rank is not None else owners.shard) * tp + tp_rank, config=config, tensor_parallel=tp,
+        pipeline=pipe,
     )
 
 

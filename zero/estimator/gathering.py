@@ -121,10 +121,12 @@ class Gathering:
 
 
 def gathering(timeline: Timeline, buckets: tuple, prefetch: int, codec: CodecMemory,
-              reshard_after_forward: bool = True) -> Gathering:
+              reshard_after_forward: bool = True, reshard_after_backward: bool = True) -> Gathering:
     """Stage 3's units for ``buckets`` (``zero.estimator.schedule.BucketBytes``), their schedule told ``timeline``'s
     step once (unpriced): ready for the priced replay of a step after the first. ``prefetch`` and
-    ``reshard_after_forward`` are ``ZeroConfig``'s."""
+    ``reshard_after_forward`` are ``ZeroConfig``'s; ``reshard_after_backward=False`` is
+    ``ZeroOptimizer.set_reshard_after_backward(False)``'s (a pipeline's units kept gathered from backward to the
+    step)."""
     unit_bytes: dict[str, int] = {}
     unit_params: dict[str, set[str]] = {}
     unit_wires: dict[str, list[Wire]] = {}
@@ -135,6 +137,7 @@ def gathering(timeline: Timeline, buckets: tuple, prefetch: int, codec: CodecMem
         unit_wires.setdefault(unit, []).extend([b.wire] if b.wire is not None else [])
     replay = Gathering(unit_bytes, unit_params, prefetch, codec, unit_wires, copies=any(b.secondary for b in buckets),
                        reshard_after_forward=reshard_after_forward)
+    replay.order.reshard_after_backward = reshard_after_backward
     for point in timeline.points:
         if point.kind != "op":
             replay.event(point, _nothing)

@@ -101,6 +101,15 @@ class Options:
     reshard_after_forward: bool = True  # stage 3: units released after their forward, gathered again for backward
     no_sync: bool = False  # micro-batches accumulated under no_sync() before this one (the Trainer's way)
     codec: CodecMemory = CodecMemory()  # what the communication policy's collectives hold besides
+    # a pipeline part (zero.estimator.pipeline): the timeline is the step's micro-batches, each point's gradients what
+    # p.grad holds (accumulated whole), reduced once at REDUCE; the stage's receive buffers; what it holds in step()
+    pipelined: bool = False
+    pipeline_buffers: float = 0.0
+    step_held: float = 0.0
+    reshard_after_backward: bool = True  # stage 3: False keeps the units backward reaches gathered until the step
+
+
+REDUCE = "<reduce gradients>"  # a pipeline schedule's one reduction after its last backward
 
 
 @dataclass
@@ -227,7 +236,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     base = {"parameters": params_static, "optimizer_state": master + state, "other": layout.buffers}
     reduction = _Reduction(layout, options, timeline.grad_bytes) if layout.staged or options.codec.gradients else None
     gathering = (replay_gathering(timeline, layout.buckets, options.prefetch, options.codec,
-                                  options.reshard_after_forward) if layout.stage == 3 else None)
+                                  options.reshard_after_forward, options.reshard_after_backward)
+                 if layout.stage == 3 else None)
     best = Peak(dict.fromkeys(CATEGORIES, 0.0), "idle", "", "start", off)
 
     def offer(categories: dict[str, float], phase: str, module: str, event: str) -> None:
@@ -236,7 +246,7 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
             best = Peak({c: float(categories.get(c, 0)) for c in CATEGORIES}, phase, module, event, off)
 
     def consider(point: Point, *, gradients: float, event: str | None = None) -> None:
-        communication = (reduction.held if reduction is not None else 0) + (
+        communication = (reduction.held if reduction is not None else 0) + options.pipeline_buffers + (
             gathering.in_flight + gathering.transient if gathering is not None else 0)
         parameters = base["parameters"] + (gathering.bytes if gathering is not None else 0)
         offer(dict(base, parameters=parameters, activations=point.activations, temporaries=point.temporaries,
@@ -245,14 +255,17 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
 
     accumulated = sum(timeline.grad_bytes.values())  # under no_sync(): whole in p.grad when this pass starts
     # ... and, when the reduce dtype is wider (bf16 parameters, fp32 reduction), also in an accumulator of that dtype
-    wide = _widening(layout) if options.no_sync else 0.0
+    wide = _widening(layout) if options.no_sync or options.pipelined else 0.0
 
     def grads_now(point: Point) -> float:
         fresh = timeline.grad_bytes.get(point.name, 0) if point.kind == "grad" else 0  # while it is added in
         if not layout.staged:  # persistent buckets
             return layout.grad_buffer + fresh
         pending = accumulated - reduction.released  # accumulated gradients of buckets not launched yet
-        if layout.stage < 2:
+        if options.pipelined:  # (what p.grad holds, its fresh gradient included, less the buckets launched)
+            held = point.gradients - reduction.released
+            local = held * (1 + wide) if layout.stage >= 2 else layout.grad_buffer + held * wide
+        elif layout.stage < 2:
             local = layout.grad_buffer + pending * wide
         elif options.no_sync:
             local = pending * (1 + wide) + fresh
@@ -264,11 +277,11 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     for point in timeline.points:
         if gathering is not None:
             gathering.event(point, lambda: consider(point, gradients=grads_now(point), event="parameter gather"))
-        if reduction is not None and point.kind == "grad":
+        if reduction is not None and point.kind == "grad" and not options.pipelined:
             before = previous or point
             reduction.launch_ready(lambda: consider(before, gradients=grads_now(before), event="gradient reduction"))
             reduction.arrive(point.name)
-        if point.name == "<end of backward>" and reduction is not None:
+        if point.name == (REDUCE if options.pipelined else "<end of backward>") and reduction is not None:
             reduction.end(lambda: consider(point, gradients=grads_now(point), event="gradient reduction"))
         if point.name == "<end of backward>" and gathering is not None:
             gathering.end_backward(lambda: consider(point, gradients=grads_now(point), event="parameter gather"))
@@ -283,8 +296,8 @@ def replay(timeline: Timeline, layout: Layout, step: StepTrace, options: Options
     master_grads = sum(b.master_grad for b in here)
     on_device = 1.0 if here else 0.0  # an offloaded step runs on the host
     for temporaries in (step.adopt * on_device, step.whole, step.update * on_device):  # (in this order)
-        offer(dict(base, gradients=grads + master_grads, temporaries=temporaries), "step", "<optimizer>",
-              "optimizer step")
+        offer(dict(base, gradients=grads + master_grads, temporaries=temporaries + options.step_held,
+                   communication=options.pipeline_buffers), "step", "<optimizer>", "optimizer step")
     if gathering is not None:
         best.gathers, best.regathers = dict(gathering.gathers), dict(gathering.regathers)
     return best

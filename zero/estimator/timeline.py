@@ -21,7 +21,9 @@ from the operator's arguments, and an operator it prices gets a point of its own
 workspace counted in ``temporaries`` (the kernel's highest point). What it does not price (oneDNN's smaller
 convolution scratchpads, CUDA libraries' workspaces, operators not in its table) the estimate does not see.
 
-Parameters, buffers and the batch existed before and are not counted (the estimator prices them).
+Parameters, buffers and the batch existed before and are not counted (the estimator prices them). On a CPU run the
+CPU generator's state that activation checkpointing keeps per checkpointed call is counted (a real tensor, made outside
+the fake mode).
 The counts are kept incrementally (weak references on the storages): the same figures
 ``zero.profile`` reports at a sample, without walking every storage after every operator.
 
@@ -33,8 +35,9 @@ from __future__ import annotations
 
 import sys
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -77,6 +80,8 @@ class Timeline:
     points: list[Point]
     grad_bytes: dict[str, int]  # each trainable parameter's gradient, by name
     micro_batch: int = 0  # the batch's size, when known (Workload sets it)
+    outputs: int = 0  # a pipeline part's: bytes of the model's output (what the schedule sends on, or keeps)
+    input_grads: int = 0  # ... and of the gradients of its inputs (what it sends back to the part before)
 
     def aligned(self, other: "Timeline") -> bool:
         """Whether both traces went through the same steps (operators, modules, gradients) in the same order."""
@@ -97,7 +102,8 @@ class Timeline:
                     gradients=at(p.gradients, q.gradients))
             for p, q in zip(self.points, following.points)
         ]
-        return Timeline(points, dict(self.grad_bytes), micro_batch)
+        return Timeline(points, dict(self.grad_bytes), micro_batch, at(self.outputs, following.outputs),
+                        at(self.input_grads, following.input_grads))
 
 
 class _Storage:
@@ -158,6 +164,20 @@ class Recorder(TorchDispatchMode):
         t = self.totals
         self.points.append(Point(phase, kind, name, module, t["activations"], t["temporaries"] + workspace,
                                  t["gradients"], outputs))
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t`` (a real tensor made outside the fake mode) as held for backward while it lives."""
+        self._created(t)
+        entry = self.live.get(self._key(t))
+        if entry is not None and entry.kind == "temporaries":
+            self._move(entry, "activations")
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as existing before the step (a pipeline's receive buffer, priced apart)."""
+        entry = self.live.pop(self._key(t), None)
+        if entry is not None:
+            self.totals[entry.kind] -= entry.nbytes
+        self._known.add(self._key(t))
 
     # ----- what autograd saves ------------------------------------------------------------------------
 
@@ -279,27 +299,78 @@ NO_BACKWARD_IN_LOSS = (
 )
 
 
-def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> Timeline:
-    """Run ``loss_fn(model, *batch).backward()`` (all fake) under a :class:`Recorder`."""
+@contextmanager
+def _rng_states(recorder: Recorder, model: nn.Module) -> Iterator[None]:
+    """torch's checkpointing keeps the CPU generator's state (``torch.get_rng_state()``, 5056 bytes) per checkpointed
+    call until backward has recomputed it: a real tensor, outside the fake mode, in the device's memory on a CPU run
+    (on a GPU, in host memory: not counted)."""
+    first = next(iter(model.parameters()), None)
+    if first is None or first.device.type != "cpu":
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        recorder.hold(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+def record_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, batch: tuple, *,
+                output_gradient: bool = False, keep_output: bool = False) -> Timeline:
+    """Run ``loss_fn(model, *batch).backward()`` (all fake) under a :class:`Recorder`.
+
+    A pipeline part (:mod:`zero.estimator.pipeline`): with ``output_gradient`` (``loss_fn`` is ``None``) backward runs
+    from a gradient of the part's output, of its shape (the stage's receive buffer: not counted), as torch's stage runs
+    every part but the last; with ``keep_output`` the model's output is kept to the end, as the last part's schedule
+    keeps each micro-batch's output. Gradients reaching the batch (a part's input activation) are kept."""
     recorder = Recorder(model, existing=batch)
     handles = recorder.hooks()
+    kept: list[Any] = []
+    if output_gradient or keep_output:
+        handles.append(model.register_forward_hook(lambda module, args, out: kept.append(out)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack), recorder:
-            loss = loss_fn(model, *batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack), recorder, _rng_states(recorder, model):
+            loss = loss_fn(model, *batch) if loss_fn is not None else model(*batch)
+            output = sum(storage_of(t).nbytes() for t in tree_leaves(kept[-1:]) if isinstance(t, torch.Tensor))
+            if output_gradient:
+                outputs = [t for t in tree_leaves(loss) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outputs:
+                    raise ValueError("the pipeline part's output has no gradient (no parameter requires grad, or it "
+                                     "was detached)")
+                before = len(recorder.points)
+                grads = [torch.zeros_like(t) for t in outputs]
+                for g in grads:
+                    recorder.forget(g)
+                del recorder.points[before:]
+            elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(
                     f"the loss function must return the scalar loss tensor, got "
                     f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
                 )
-            if loss.grad_fn is None:
+            elif loss.grad_fn is None:
                 raise ValueError("the loss has no gradient (no parameter requires grad, or it was detached)")
             if any(point.phase == "backward" for point in recorder.points):
                 raise ValueError(NO_BACKWARD_IN_LOSS)
-            loss.backward()
+            if output_gradient:
+                torch.autograd.backward(outputs, grads)
+                del outputs, grads
+            else:
+                loss.backward()
             del loss
+            if not keep_output:
+                kept.clear()
             recorder.point("op", "<end of backward>")
     finally:
         for handle in [*handles, *recorder.input_hooks]:
             handle.remove()
     grads = {name: storage_of(p.grad).nbytes() for name, p in model.named_parameters() if p.grad is not None}
-    return Timeline(recorder.points, grads)
+    return Timeline(recorder.points, grads, outputs=output,
+                    input_grads=sum(storage_of(t.grad).nbytes() for t in tree_leaves(batch)
+                                    if isinstance(t, torch.Tensor) and t.grad is not None))

@@ -79,6 +79,7 @@ class Workload:
     tensors, so nothing is allocated); ``loss(model, *batch)`` returns the scalar loss exactly as the
     training loop computes it (e.g. ``model(input_ids=x, labels=x).loss``); ``batch(micro_batch)``
     returns the forward's inputs for one rank's micro-batch (real or fake tensors: only shapes matter).
+    A pipeline part before the last has no loss (``None``; :mod:`zero.estimator.pipeline`).
 
     The optimizers, one way or the other: ``optimizer(params)`` builds the one wrapped optimizer over the parameters
     it is given (default AdamW); ``optimizers(model)`` returns what the training script passes to ``ZeroOptimizer``,
@@ -215,36 +216,41 @@ class Workload:
         return model
 
     def timeline(self, micro_batch: int, precision: PrecisionArg = "fp32", checkpointing: Checkpointing = False,
-                 units: Units = Units()) -> Timeline:
+                 units: Units = Units(), part: tuple[bool, bool] | None = None) -> Timeline:
         """Forward, loss and backward of one micro-batch, live bytes after every operator. Beyond 3, the bytes at
         each point are extrapolated from the traces of micro-batches 2 and 3 (every storage's size is a constant
         or proportional to the micro-batch), unless those two traces differ in their steps. (Not from 1: models
-        often take another path for a batch of one.)"""
+        often take another path for a batch of one.) ``part``: a pipeline part's ``(first, last)``, traced as its
+        stage runs it (:func:`zero.estimator.timeline.record_step`)."""
         policy = precision_policy(precision)
-        key = (micro_batch, policy.model_dump_json(), policy_key(checkpointing), units if policy.enabled else Units())
+        key = (micro_batch, policy.model_dump_json(), policy_key(checkpointing), units if policy.enabled else Units(),
+               part)
         if key not in self._timelines and micro_batch > 3:
-            two, three = (self.timeline(m, policy, checkpointing, units) for m in (2, 3))
+            two, three = (self.timeline(m, policy, checkpointing, units, part) for m in (2, 3))
             if two.aligned(three):
                 self._timelines[key] = two.extrapolate(three, micro_batch)
         if key not in self._timelines:
-            self._timelines[key] = self._trace(micro_batch, policy, checkpointing, units)
+            self._timelines[key] = self._trace(micro_batch, policy, checkpointing, units, part)
         return self._timelines[key]
 
     def _trace(self, micro_batch: int, precision: PrecisionArg, checkpointing: Checkpointing,
-               units: Units = Units()) -> Timeline:
+               units: Units = Units(), part: tuple[bool, bool] | None = None) -> Timeline:
         policy = precision_policy(precision)
         model = self.model(policy, checkpointing, units)
+        first, last = part or (True, True)
         with self.mode:
-            with explained("making the batch"):
-                batch = tuple(self._fake(t, policy) for t in self.batch(micro_batch))
+            with explained("making the batch"):  # (a later part's input activation gets its gradient)
+                batch = tuple(self._fake(t, policy, not first) for t in self.batch(micro_batch))
             with explained("tracing the step"):
                 try:
-                    return replace(record_step(model, self.loss, batch), micro_batch=micro_batch)
+                    return replace(record_step(model, self.loss if last else None, batch,
+                                               output_gradient=not last, keep_output=part is not None and last),
+                                   micro_batch=micro_batch)
                 finally:
                     for p in model.parameters():
                         p.grad = None
 
-    def _fake(self, t: Any, policy: MixedPrecision) -> Any:
+    def _fake(self, t: Any, policy: MixedPrecision, grad: bool = False) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor
 
         if not isinstance(t, torch.Tensor):
@@ -253,7 +259,7 @@ class Workload:
             t = self.mode.from_tensor(t)
         if policy.enabled and t.is_floating_point():  # ZeroOptimizer casts the root forward's float inputs
             t = t.to(DTYPES[policy.param_dtype])
-        return t
+        return t.detach().requires_grad_() if grad and t.is_floating_point() else t
 
     # ----- what ZeroOptimizer builds -----------------------------------------------------------------------
 
