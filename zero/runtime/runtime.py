@@ -28,7 +28,7 @@ from zero.runtime.gathering.release import ModelRelease
 from zero.runtime.guards.ddp import check_not_called_by_ddp
 from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
-from zero.runtime.parallel.pipeline import NoPipeline, Pipeline
+from zero.runtime.parallel.pipeline import NoPipelineRanks, PipelineRanks
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
@@ -59,7 +59,7 @@ class Runtime:
     gatherer: ParamGatherer | NoGatherer
     paging: Resident  # how passes over the optimizer side walk the buckets (WindowPaging: through host memory)
     tensor_parallel: NoTensorParallel  # the model's tp dimension (zero.runtime.parallel.tensor_parallel)
-    pipeline: NoPipeline | Pipeline = field(default_factory=NoPipeline)  # its pp dimension, once a pipeline stage joins
+    pipeline: NoPipelineRanks | PipelineRanks = field(default_factory=NoPipelineRanks)  # its pp dimension (joined)
     checkpointed: Any = None  # the activation checkpointing applied (None without a policy)
     reducer: GradReducer = field(init=False)
     release: ModelRelease = field(init=False)
@@ -257,17 +257,17 @@ class Runtime:
             bucket.push_master()
         wait_all([self.stage.gather_params(bucket, self.comm) for bucket in buckets])
 
-    def use_pipeline(self, group: Any) -> Pipeline:
+    def use_pipeline(self, group: Any) -> PipelineRanks:
         """This optimizer's model is a part of a pipeline over ``group`` (its pp group): the clip norm adds up over
         ``group`` from now on."""
-        if isinstance(self.pipeline, NoPipeline):
-            self.pipeline = Pipeline(Communicator(group, self.config.timeout_s, device=self.comm.device))
+        if isinstance(self.pipeline, NoPipelineRanks):
+            self.pipeline = PipelineRanks(Communicator(group, self.config.timeout_s, device=self.comm.device))
         elif self.pipeline.group is not group:
             raise ValueError("this ZeroOptimizer's model was put in two pipelines (different pp groups); every part "
                              "on a rank is in one pipeline (its pp group, mesh['pp'])")
         return self.pipeline
 
-    def join_pipeline(self, group: Any, stage_index: int) -> Pipeline:
+    def join_pipeline(self, group: Any, stage_index: int) -> PipelineRanks:
         """A pipeline stage over (part of) this optimizer's model joins: see :meth:`use_pipeline`; the gradient
         reduction waits for every joined part's last backward of a step."""
         pipeline = self.use_pipeline(group)

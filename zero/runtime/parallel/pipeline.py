@@ -2,9 +2,9 @@
 ``torch.distributed.pipelining``), and this optimizer's parts among them.
 
 A pipeline schedule runs each part's micro-batches with the gradient reduction held back, and reduces once per step
-after the part's last backward (``zero.pipelining.PipelineStage`` calls :meth:`Pipeline.part_done`). With several
+after the part's last backward (``zero.pipelining.PipelineStage`` calls :meth:`PipelineRanks.part_done`). With several
 parts on one rank under one optimizer (interleaved schedules) the reduction waits for the last of them. The clip
-norm adds up over the pipeline's ranks, each of which holds other parameters (:meth:`Pipeline.sum_over_pp`).
+norm adds up over the pipeline's ranks, each of which holds other parameters (:meth:`PipelineRanks.sum_over_pp`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from zero.comm.communicator import Communicator
 
 
-class NoPipeline:
+class NoPipelineRanks:
     """No pipeline: this optimizer's model is the whole model."""
 
     size = 1
@@ -27,7 +27,7 @@ class NoPipeline:
         return partial
 
 
-class Pipeline:
+class PipelineRanks:
     """The pipeline's ranks (one per part's position, this one among them) and this optimizer's parts on them."""
 
     def __init__(self, comm: Communicator):
