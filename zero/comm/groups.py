@@ -64,7 +64,7 @@ def data_parallel_group(group: dist.ProcessGroup | None, mesh: object | None) ->
     if group is not None:
         raise ValueError("pass the data-parallel ranks once: process_group=... or mesh=..., not both")
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    if getattr(mesh, "ndim", None) == 1 and not set(names) - {"dp"}:
+    if getattr(mesh, "ndim", None) == 1:  # whatever its name, as FSDP2 takes it (one over tp is refused later)
         return mesh.get_group()
     if "dp" not in names or set(names) - set(MESH_DIMENSIONS):
         raise ValueError(
@@ -77,6 +77,6 @@ def data_parallel_group(group: dist.ProcessGroup | None, mesh: object | None) ->
 
 
 def pipeline_group(mesh: object | None) -> dist.ProcessGroup | None:
-    """The pipeline's group of a mesh with a ``"pp"`` dimension (``None`` without one)."""
+    """The pipeline's group of a mesh with a ``"pp"`` dimension besides others (``None`` without one)."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh["pp"].get_group() if "pp" in names else None
+    return mesh["pp"].get_group() if "pp" in names and len(names) > 1 else None
