@@ -98,3 +98,28 @@ def test_guard_keeps_refusing_other_uses(stage):
         p.grad.div_(torch.tensor(2.0))
     with pytest.raises(RuntimeError, match="clip_grad_norm_"):
         p.grad.div(2)
+
+
+class _Mesh:
+    """A device mesh as ``mesh=`` reads it: named dimensions, each a group (strings stand in for groups here)."""
+
+    def __init__(self, *names: str):
+        self.mesh_dim_names, self.ndim = names, len(names)
+
+    def __getitem__(self, name: str) -> "_Mesh":
+        return _Mesh(name)
+
+    def get_group(self) -> str:
+        return f"group {self.mesh_dim_names[0]}"
+
+
+def test_the_mesh_names_the_dp_and_pp_groups():
+    from zero.comm.groups import data_parallel_group, pipeline_group
+
+    assert data_parallel_group(None, _Mesh("dp")) == "group dp"
+    assert data_parallel_group(None, _Mesh("replicate")) == "group replicate"  # any 1-D mesh, as FSDP2 takes it
+    assert pipeline_group(_Mesh("pp")) is None  # a 1-D mesh is the dp dimension, whatever its name
+    assert data_parallel_group(None, _Mesh("pp", "dp")) == "group dp"
+    assert pipeline_group(_Mesh("pp", "dp", "tp")) == "group pp"
+    with pytest.raises(ValueError, match="named among"):
+        data_parallel_group(None, _Mesh("pp", "fsdp"))
