@@ -17,7 +17,6 @@ from zero.checkpoint.portable.boxes import Box, local_box
 from zero.comm.communicator import Communicator
 from zero.config import ZeroConfig
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
-from zero.runtime.parallel.pipeline import PipelineRanks
 from zero.runtime.runtime import Runtime
 
 
@@ -88,7 +87,7 @@ def parts_of(model: Model, opt: Checkpointable) -> list[torch.nn.Module]:
     names)."""
     if isinstance(model, (list, tuple)):
         return list(model)
-    if isinstance(model, torch.nn.ModuleList) and isinstance(opt.runtime.pipeline, PipelineRanks):
+    if isinstance(model, torch.nn.ModuleList) and opt.runtime.pipeline.group is not None:
         return list(model)
     return [model]
 
@@ -164,7 +163,7 @@ class Grid:
     def of(opt: Checkpointable) -> "Grid":
         tensor_parallel, pipeline = opt.runtime.tensor_parallel, opt.runtime.pipeline
         return Grid(opt.comm, tensor_parallel.comm if tensor_parallel.size > 1 else None,
-                    pipeline.comm if isinstance(pipeline, PipelineRanks) and pipeline.size > 1 else None)
+                    pipeline.comm if pipeline.size > 1 else None)
 
     @property
     def tp_size(self) -> int:

@@ -25,7 +25,6 @@ import torch
 
 from zero.checkpoint.portable.boxes import local_tensor
 from zero.checkpoint.portable.model_tensors import Checkpointable, Grid, ModelTensor
-from zero.runtime.parallel.pipeline import PipelineRanks
 
 
 @dataclass
@@ -73,7 +72,7 @@ def _stage_keys(opt: Checkpointable, grid: Grid, count: int) -> list[int]:
     """The stage index of each of this rank's ``count`` parts: as their ``zero.pipelining.PipelineStage`` s joined, or
     as torch's interleaved schedules place them (part ``j`` of pp rank ``r``: stage ``r + j x pp``)."""
     pipeline = opt.runtime.pipeline
-    joined = pipeline.parts if isinstance(pipeline, PipelineRanks) else []
+    joined = pipeline.parts
     return list(joined) if len(joined) == count else [grid.pp_rank + j * grid.pp_size for j in range(count)]
 
 

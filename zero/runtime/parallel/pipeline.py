@@ -21,7 +21,8 @@ class NoPipelineRanks:
     """No pipeline: this optimizer's model is the whole model."""
 
     size = 1
-    group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | None = None  # (None: not in a pipeline)
+    parts: tuple[int, ...] = ()
 
     def sum_over_pp(self, partial: torch.Tensor, norm_type: float) -> torch.Tensor:
         return partial
