@@ -128,3 +128,12 @@ def run_module(module: str, *args: str, timeout: float) -> dict:
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def value_error(fn: Callable[[], Any]) -> str:
+    """The message of the ``ValueError`` that ``fn()`` raises ("" if it raises none): a refusal checked in a world."""
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return ""

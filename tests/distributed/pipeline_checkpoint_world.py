@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
 import zero
+from tests.distributed.harness import value_error
 from zero.models import LlamaConfig, LlamaGPT, lm_loss, local_slice, pipeline_parts, synthetic_batch
 from zero.pipelining import PipelineStage
 
@@ -167,13 +168,6 @@ class Part(torch.nn.Module):
         self.register_buffer("freqs", freqs)
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as err:
-        return str(err)
-    return ""
-
 
 def refusals(root: str) -> dict:
     """A shared buffer written once; a trained parameter under one name on two pp ranks, a shared buffer of other
@@ -183,7 +177,7 @@ def refusals(root: str) -> dict:
 
     def saved(path: str, part: torch.nn.Module, optimizer=torch.optim.AdamW, **kwargs) -> str:
         opt = zero.ZeroOptimizer(optimizer(part.parameters(), lr=LR, **kwargs), part, stage=2, mesh=mesh)
-        return _error(lambda: zero.save_checkpoint(os.path.join(root, path), part, opt, progress=False))
+        return value_error(lambda: zero.save_checkpoint(os.path.join(root, path), part, opt, progress=False))
 
     freqs = torch.arange(3.0)
     out = {"shared_buffer": saved("shared", Part(pp, freqs)),
@@ -192,7 +186,7 @@ def refusals(root: str) -> dict:
            "other_optimizer": saved("groups", Part(pp, freqs), weight_decay=0.1 * pp)}
     part = pipeline_parts(model(1), 2)[pp]
     opt = zero.ZeroOptimizer(torch.optim.AdamW(part.parameters(), lr=LR), part, stage=2, mesh=mesh["dp"])
-    out["part_without_pipeline"] = _error(lambda: zero.load_checkpoint(os.path.join(root, "1f1b"), part, opt,
+    out["part_without_pipeline"] = value_error(lambda: zero.load_checkpoint(os.path.join(root, "1f1b"), part, opt,
                                                                        progress=False))
     return out
 

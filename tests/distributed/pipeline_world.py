@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import zero
+from tests.distributed.harness import value_error
 from zero.models import (
     LlamaConfig,
     LlamaGPT,
@@ -169,13 +170,6 @@ def _held_state(pipe: Pipe) -> dict[str, torch.Tensor]:
     return {k: v for i in pipe.mine for k, v in _state(pipe.parts[i]).items()}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as err:
-        return str(err)
-    return ""
-
 
 def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_stages: tuple[int, ...]) -> dict:
     """dp ``world_size // 2`` x pp 2: the reference, then FSDP2 + pipelining and zero at ``stages`` under each
@@ -203,12 +197,12 @@ def _refusals(mesh) -> dict[str, str]:
     pipe = _pipe(mesh, "1f1b")
     part, index, cpu = pipe.parts[pipe.mine[0]], pipe.mine[0], torch.device("cpu")
     group = mesh["pp"].get_group()
-    unmanaged = _error(lambda: PipelineStage(part, index, 2, cpu, group=group))
+    unmanaged = value_error(lambda: PipelineStage(part, index, 2, cpu, group=group))
     opt = zero.ZeroOptimizer(torch.optim.AdamW(part.parameters()), part, stage=1, mesh=mesh["dp"])
     out = {"unmanaged": unmanaged,
-           "dw_builder": _error(lambda: PipelineStage(part, index, 2, cpu, group=group, dw_builder=lambda: None))}
+           "dw_builder": value_error(lambda: PipelineStage(part, index, 2, cpu, group=group, dw_builder=lambda: None))}
     PipelineStage(part, index, 2, cpu, group=group)
-    out["two_pipelines"] = _error(lambda: PipelineStage(part, index, 2, cpu, group=mesh["dp"].get_group(),
+    out["two_pipelines"] = value_error(lambda: PipelineStage(part, index, 2, cpu, group=mesh["dp"].get_group(),
                                                         optimizer=opt))
     return out
 

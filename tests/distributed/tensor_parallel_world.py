@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import zero
+from tests.distributed.harness import value_error
 from tests.recipes import MasterRecipe, SeveralOptimizers
 from zero import ZeroOptimizer
 from zero.models import LlamaConfig, LlamaGPT, local_slice, synthetic_batch, tensor_parallel_plan
@@ -212,13 +213,6 @@ def _local_numel(model: torch.nn.Module) -> int:
     return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return ""
-
 
 # features composed with TP (plan 2): name -> (stage, micro-batches, ZeroConfig fields)
 COMPOSED = {
@@ -266,7 +260,7 @@ def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[in
     out["qk", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, qk)
     out["qk", "fsdp2_plain"] = fsdp2_tp(mesh, True, global_batch, qk, declared=False)
     out["qk", 2] = zero_tp(mesh, True, 2, global_batch, qk)
-    out["qk", "plain_error"] = _error(lambda: zero_tp(mesh, True, 2, global_batch, qk, declared=False))
+    out["qk", "plain_error"] = value_error(lambda: zero_tp(mesh, True, 2, global_batch, qk, declared=False))
     out["refusals"] = _refusals(mesh)
     return out if rank == 0 else {}
 
@@ -296,11 +290,11 @@ def _refusals(mesh) -> dict:
             opt.close()
 
     return {
-        "grad_use": _error(use_grad),
-        "sharded_use": _error(use_sharded),
-        "overlap": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
-        "both": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),
-        "disk": _error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"],
+        "grad_use": value_error(use_grad),
+        "sharded_use": value_error(use_sharded),
+        "overlap": value_error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["tp"])),
+        "both": value_error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"], process_group=mesh["dp"].get_group())),
+        "disk": value_error(lambda: ZeroOptimizer(adamw, model, mesh=mesh["dp"],
                                              offload={"optimizer": "disk", "path": tempfile.mkdtemp()})),
     }
 
