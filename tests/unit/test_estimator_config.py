@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from zero import ZeroConfig
-from zero.estimator import Workload, estimate
+from zero.estimator import Estimate, Workload, estimate
 from zero.estimator.configuration import (
     MEMORY_NEUTRAL,
     POLICIES,
@@ -79,3 +81,20 @@ def test_the_config_is_the_one_estimated_and_carried():
     with pytest.raises(ValueError, match="offload.ratio='auto' is chosen when ZeroOptimizer is built"):
         estimate(work, ZeroConfig(stage=2, offload={"optimizer": "cpu", "ratio": "auto", "gpu_memory": 2**30}),
                  world_size=2, micro_batch=2)
+
+
+def test_the_estimate_reads_its_settings_from_the_config_it_carries():
+    """``Estimate`` keeps the configuration once (issue 49): its settings are properties over ``config``, and
+    ``as_dict()`` (``zero estimate --json``) still writes each of them."""
+    fields = {f.name for f in dataclasses.fields(Estimate)}
+    assert not fields & set(Estimate.SETTINGS), "a setting kept beside the config"
+    config = ZeroConfig(stage=3, offload={"optimizer": "cpu", "params": "cpu", "buffer_count": 3},
+                        precision=POLICIES["mixed"], activation_checkpointing={}, communication={"shard_size": 2})
+    e = estimate(_workload(), config, world_size=4, micro_batch=1)
+    expected = dict(stage=3, precision="mixed", offload=True, checkpointing=True, optimizer_offload="cpu",
+                    params_offload="cpu", buffer_count=3, offload_ratio=1.0, communication_config={"shard_size": 2},
+                    group_size=2, secondary_size=0)
+    assert {name: getattr(e, name) for name in Estimate.SETTINGS} == expected
+    assert {name: e.as_dict()[name] for name in Estimate.SETTINGS} == expected
+    other = dataclasses.replace(e, config=ZeroConfig(stage=1))  # (one source: a new config changes every setting)
+    assert (other.stage, other.offload, other.precision, other.group_size) == (1, False, "fp32", 4)

@@ -39,23 +39,24 @@ policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from zero.activations import ActivationCheckpointing
 from zero.config import ZeroConfig
 from zero.estimator.census import Trace, trace  # noqa: F401 - re-exported (zero.estimator.trace)
 from zero.estimator.codec_memory import CodecMemory
-from zero.estimator.configuration import DISK_PATH, POLICIES, Units, precision_name, priced_config
+from zero.estimator.configuration import DISK_PATH, POLICIES, Units, priced_config
 from zero.estimator.offloading import OffloadChoice
 from zero.estimator.optimizer_step import master_dtype
 from zero.estimator.partial_offload import least_offload, offload_boundaries
 from zero.estimator.pipeline import Pipeline, check_part, compose
+from zero.estimator.result import Estimate
 from zero.estimator.schedule import Options, replay
 from zero.estimator.tensor_parallel import check_tensor_parallel, price_in_child
-from zero.estimator.traffic import Traffic, communication_policy, secondary_size, stages_for, step_traffic
+from zero.estimator.traffic import communication_policy, secondary_size, stages_for, step_traffic
 from zero.estimator.workload import Workload
-from zero.memory import CATEGORIES, STAGES, ModelStateBytes, zero_model_states
+from zero.memory import STAGES, ModelStateBytes, zero_model_states
 from zero.offload import TARGETS, Offload, OffloadTarget, target_of
 from zero.precision import DTYPES, MixedPrecision
 from zero.sizes import format_bytes, parse_size  # noqa: F401 - parse_size re-exported by zero.estimator
@@ -97,60 +98,6 @@ def model_states(numel: int, world_size: int, stage: int, precision: str | Preci
     prec = precision if isinstance(precision, Precision) else _precision(precision)
     return zero_model_states(numel, world_size, stage, param_bytes=prec.param, grad_bytes=prec.grad,
                              optimizer_bytes=prec.master + prec.optimizer, reduced_bytes=prec.reduced)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """One rank's (``rank``'s) peak bytes of one training step, by the tracker's categories, and where it happens;
-    and the step's traffic."""
-
-    stage: int
-    world_size: int
-    micro_batch: int
-    precision: str
-    offload: bool  # the optimizer's side is off the device (in host memory or on disk: see optimizer_offload)
-    checkpointing: bool
-    categories: dict[str, float]  # device memory
-    host: float  # host memory for what offload keeps there (on disk: the window of buckets mapped at a time)
-    phase: str  # "forward", "backward" or "step"
-    module: str
-    event: str  # e.g. "gradient reduction", "add operator", "optimizer step"
-    disk: float = 0.0  # the offload file (offload to disk), else 0
-    optimizer_offload: str = "none"  # the optimizer side's offload target: "none" (the device), "cpu", "disk", ...
-    params_offload: str = "none"  # stage 3's parameter shards' target: "none" (the device), "cpu", "disk", ...
-    buffer_count: int = 2  # offload to disk: buckets mapped in host memory at a time
-    offload_ratio: float = 1.0  # partial offload: the share of the optimizer side offloaded (offload.ratio)
-    communication_config: dict[str, Any] = field(default_factory=dict)  # ZeroConfig(communication=...) (no defaults)
-    group_size: int = 0  # ranks the model states are sharded over: world_size, or HSDP's shard_size
-    secondary_size: int = 0  # hpZ: ranks of a group holding the secondary copies (shard_size), else 0
-    traffic: Traffic = Traffic()  # one step's collectives, rank 0's (zero.estimator.traffic)
-    rank: int = 0  # the rank priced: the one asked for, else the worst (see estimate()), else 0
-    config: ZeroConfig = field(default_factory=ZeroConfig)  # the configuration priced, as ZeroOptimizer takes it
-    tensor_parallel: int = 1  # the tp degree: world_size ranks as dp x tp, dp = world_size // tensor_parallel
-    pipeline: Pipeline | None = None  # a pipeline part's place and schedule (world_size: the part's dp ranks)
-
-    @property
-    def peak(self) -> float:
-        return sum(self.categories.values())
-
-    @property
-    def paged(self) -> bool:
-        """The optimizer's side is in a target that pages through host memory (``host``: its window; ``disk``: the
-        file)."""
-        return target_of(self.optimizer_offload).pages
-
-    def __getattr__(self, name: str) -> float:  # e.peak's parts by category: e.activations, e.parameters ...
-        if name in CATEGORIES:
-            return self.categories[name]
-        raise AttributeError(name)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields, with bytes as whole numbers (rounded: an optimizer's state per element can be fractional)
-        and ``peak`` the sum of the rounded categories (what ``zero estimate --json`` writes)."""
-        categories = {name: round(nbytes) for name, nbytes in self.categories.items()}
-        return {**asdict(self), "categories": categories, "host": round(self.host), "disk": round(self.disk),
-                "peak": sum(categories.values()), "traffic": self.traffic.as_dict(),
-                "config": self.config.model_dump(mode="json", exclude_defaults=True)}
 
 
 def estimate(
@@ -256,12 +203,8 @@ def estimate(
     exchange = (owners.exchanged, master_dtype(precision)) if owners.num_shards > 1 else None
     tp = mesh.tp if mesh is not None else 1
     return Estimate(
-        stage=config.stage, world_size=world_size * tp, micro_batch=micro_batch, precision=precision_name(precision),
-        offload=choice.offloaded, checkpointing=checkpointing is not None, categories=peak.categories,
-        host=peak.off.host, phase=peak.phase, module=peak.module, event=peak.event, disk=peak.off.disk,
-        optimizer_offload=choice.optimizer, params_offload=choice.params, buffer_count=choice.buffer_count,
-        offload_ratio=choice.ratio, communication_config=policy.model_dump(exclude_defaults=True), group_size=group,
-        secondary_size=secondary,
+        world_size=world_size * tp, micro_batch=micro_batch, categories=peak.categories, host=peak.off.host,
+        phase=peak.phase, module=peak.module, event=peak.event, disk=peak.off.disk,
         traffic=step_traffic(config.stage, tuple(b.wire for b in layout.buckets), layout.slots, peak.gathers, policy,
                              group, world_size, regathers=peak.regathers, secondary=secondary, exchange=exchange),
         rank=(rank if rank is not None else owners.shard) * tp + tp_rank, config=config, tensor_parallel=tp,
