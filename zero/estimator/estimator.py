@@ -40,7 +40,7 @@ policies use (:func:`zero.blocks_within_budget`); :func:`model_states` gives the
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from zero.activations import ActivationCheckpointing
 from zero.config import ZeroConfig
@@ -110,6 +110,7 @@ def estimate(
     rank: int | None = None,
     tensor_parallel: int = 1,
     pipeline: Pipeline | Mapping[str, Any] | None = None,
+    maybe_unused: Sequence[str] = (),
     **settings: Any,
 ) -> Estimate:
     """One rank's peak of one steady-state training step (the optimizer state exists) of ``workload`` under
@@ -154,6 +155,12 @@ def estimate(
     ``schedule``, ``stages``, ``stage_index``, ``micro_batches``); ``world_size`` is the part's dp ranks,
     ``micro_batch`` one micro-batch, and the step is the schedule's micro-batches on this part
     (:mod:`zero.estimator.pipeline`).
+    ``maybe_unused``: parameters that may get no gradient in a step, by name or module prefix as
+    ``model.named_parameters()`` names them (``["blocks.0.moe.experts"]``: an MoE's experts, one of which may receive no
+    tokens). The trace gives every parameter the forward used a gradient; the reducer launches buckets strictly in
+    order, each once all its gradients are in, so a gradient that does not come holds its bucket and every later one
+    until the end of backward. The estimate is the larger of the two steps, every gradient coming and none of these
+    (their optimizer state and step still counted, as an earlier step may have made it).
     """
     config = priced_config(config, **settings)
     if world_size < 1 or micro_batch < 1:
@@ -166,7 +173,7 @@ def estimate(
     if mesh is not None and workload.mesh is None:  # (split over a fake (dp, tp) mesh in a child process)
         return price_in_child(estimate, workload, mesh, rank or 0, dict(
             config=config, world_size=world_size, micro_batch=micro_batch, no_sync=no_sync, rank=rank,
-            tensor_parallel=tensor_parallel))
+            tensor_parallel=tensor_parallel, maybe_unused=tuple(maybe_unused)))
     tp_rank = workload.mesh["tp"].get_local_rank() if mesh is not None else 0
     if mesh is not None:
         whole = workload.declaring(config.elementwise_optimizers, config.per_parameter_optimizers).assignment()
@@ -188,11 +195,16 @@ def estimate(
         timeline = part.timeline
         options = replace(options, pipelined=True, pipeline_buffers=part.buffers, step_held=part.step_held,
                           reshard_after_backward=pipe.reshard_after_backward)
+    late = _parameters_named(maybe_unused, timeline.grad_bytes)
 
     def priced(shard: int | None) -> tuple[Any, Any]:
         layout = workload.layout(config.stage, group, precision, config.bucket_size_mb, choice,
                                  secondary_shards=max(1, secondary), rank=shard, units=units)
-        return layout, replay(timeline, layout, workload.step(layout, precision), options)
+        step = workload.step(layout, precision)
+        peaks = [replay(timeline, layout, step, options)]
+        if late:  # (and none of them coming)
+            peaks.append(replay(timeline.without_gradients(late), layout, step, options))
+        return layout, max(peaks, key=lambda peak: peak.total)
 
     layout, peak = priced(rank)
     for shard in layout.owners.rivals() if rank is None else ():  # (the larger peak of the two)
@@ -229,6 +241,7 @@ def plan(
     no_sync: bool = False,
     progress: Callable[[str], None] | None = None,
     host_memory: float | None = None,
+    maybe_unused: Sequence[str] = (),
     **settings: Any,
 ) -> Plan:
     """Every stage × offload × checkpointing × micro-batch over ``config`` (with ``settings`` applied, as
@@ -247,8 +260,9 @@ def plan(
     Best means most tokens per step for the least extra work: larger micro-batches first, then
     no checkpointing (it recomputes the forward), no offload before CPU offload before disk (the targets' ``tier``:
     host transfers, then disk reads and writes, the slowest), lower stage (stage 3 moves 1.5x the data).
-    ``no_sync``: see :func:`estimate` (only the stages ``ZeroConfig`` runs the communication policy at are tried:
-    quantized weights need stage 3, the rest stages 1-3). ``progress`` is told about each trace as it starts."""
+    ``no_sync`` and ``maybe_unused``: see :func:`estimate` (only the stages ``ZeroConfig`` runs the communication
+    policy at are tried: quantized weights need stage 3, the rest stages 1-3). ``progress`` is told about each trace as
+    it starts."""
     if workload.parallelize is not None:
         raise ValueError("plan() does not search tensor-parallel workloads yet (a workload with a parallelize "
                          "function); price each configuration with estimate(..., tensor_parallel=tp)")
@@ -272,7 +286,7 @@ def plan(
                 for stage in [s for s in stages if s or target.on_device]:  # offload needs stage 1-3 (zero.config)
                     def priced(ratio: float = 1.0, stage: int = stage, target: OffloadTarget = target) -> Estimate:
                         return estimate(workload, base, world_size=world_size, micro_batch=micro, no_sync=no_sync,
-                                        stage=stage, activation_checkpointing=checkpointing,
+                                        maybe_unused=maybe_unused, stage=stage, activation_checkpointing=checkpointing,
                                         offload=_candidate(base.offload, target, ratio))
 
                     e = priced()
@@ -311,6 +325,22 @@ def _why(e: Estimate, budget: float, host_budget: float | None) -> str:
                 else "master weights, gradients and optimizer state")
         reasons.append(f"needs {format_bytes(e.host)} of host memory > {format_bytes(host_budget)} ({held})")
     return "; ".join(reasons)
+
+
+def _parameters_named(names: Sequence[str], trained: Mapping[str, int]) -> frozenset[str]:
+    """The parameters of ``trained`` (those the traced step gave a gradient) that ``names`` name, each by its own name
+    or a module prefix; a name that names none is refused."""
+    if isinstance(names, str):
+        names = [names]
+    found = set()
+    for name in names:
+        named = {p for p in trained if p == name or p.startswith(name.rstrip(".") + ".")}
+        if not named:
+            raise ValueError(f"maybe_unused names no parameter with a gradient in the traced step: {name!r} (give "
+                             f"names or module prefixes as model.named_parameters() names them, e.g. "
+                             f"{next(iter(trained), 'layers.0.weight')!r})")
+        found |= named
+    return frozenset(found)
 
 
 def _precision(name: str) -> Precision:

@@ -105,6 +105,18 @@ class Timeline:
         return Timeline(points, dict(self.grad_bytes), micro_batch, at(self.outputs, following.outputs),
                         at(self.input_grads, following.input_grads))
 
+    def without_gradients(self, names: frozenset[str]) -> "Timeline":
+        """This step had the parameters ``names`` got no gradient (an MoE's expert given no tokens): their gradients
+        never arrive and are never held (what computing them would allocate is kept, an over-count)."""
+        points, missing = [], 0
+        for p in self.points:
+            if p.kind == "grad" and p.name in names:
+                missing += self.grad_bytes[p.name]
+                continue
+            points.append(replace(p, gradients=p.gradients - missing) if missing else p)
+        grads = {name: nbytes for name, nbytes in self.grad_bytes.items() if name not in names}
+        return replace(self, points=points, grad_bytes=grads)
+
 
 class _Storage:
     __slots__ = ("nbytes", "kind", "saved")
