@@ -24,7 +24,8 @@ loss per micro-batch):
   of dp and pp: the clip learns the pipeline from it): torch holds the reduction back only for DDP and FSDP modules,
   so this one reduces once per micro-batch
 
-Measured as ``benchmarks/compare.py`` measures (its functions, reused):
+Measured as ``benchmarks/compare.py`` measures (its functions, reused; the command line, the mesh, the training and
+the memory rows are ``benchmarks/mesh_compare.py``'s, shared with ``compare_tp.py``):
 
 * **step time**: the schedule's step (every micro-batch's forward and backward) + clip + step + zero_grad after a
   barrier, max over the ranks; the median of the timed steps, interleaved (each step runs every contender once, the
@@ -64,16 +65,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
-import statistics
 import sys
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -83,10 +80,10 @@ from torch.utils._pytree import tree_leaves
 
 import zero.pipelining
 from zero import ZeroOptimizer
-from zero.cli.gpt_options import add_gpt_arguments, gpt_config
-from zero.models import LlamaConfig, LlamaGPT, lm_loss, local_slice, pipeline_parts, synthetic_batch
+from zero.models import LlamaGPT, lm_loss, local_slice, pipeline_parts, synthetic_batch
 
-from compare import DEVICE, LOSS_RTOL, Contender, Spec, adamw, iqr, memory, run_record, run_steps
+import mesh_compare
+from compare import DEVICE, Contender, Spec, adamw, run_record
 
 BASELINE = "fsdp2-pp"
 STAGES = (1, 2, 3)
@@ -345,91 +342,52 @@ def markdown(data: dict) -> str:
 # ----- main -------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel degree (dp = world size / pp)")
+def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="torch's pipeline schedule")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="zero's bucket size (ZeroConfig's default: 25)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--batch", type=int, default=16, help="global batch (split over the dp ranks, then micro-batches)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--json", default=None, help="write the rows, every step time and the collectives here")
-    p.add_argument("--markdown", default=None, help="write the Markdown table and its method here")
-    add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
-    args = p.parse_args(argv)
-    args.only = None  # (compare.run_record's field: every contender runs)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return mesh_compare.parse_args(__doc__, "pp", "pipeline-parallel degree (dp = world size / pp)", 16,
+                                   "write the rows, every step time and the collectives here", argv,
+                                   extra=_pipeline_arguments)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if DEVICE.type == "cuda":
-        torch.cuda.set_device(DEVICE)
-    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo", timeout=timedelta(minutes=20))
-    rank, world = dist.get_rank(), dist.get_world_size()
     parts = args.pp * (2 if args.schedule == "interleaved" else 1)
-    dp_size = world // args.pp if world % args.pp == 0 else 0
-    if not dp_size or args.layers < parts or args.batch % (dp_size * args.micro_batches):
-        raise SystemExit(f"--pp {args.pp} must divide the world size ({world}), --layers ({args.layers}) must be at "
-                         f"least the parts ({parts}), and --batch ({args.batch}) a multiple of dp x --micro-batches")
-    log = print if rank == 0 else (lambda *a, **k: None)
-    g = gpt_config(args)
-    cfg = LlamaConfig(g.vocab_size, g.seq_len, g.d_model, g.num_layers, g.num_heads)
-    mesh = init_device_mesh(DEVICE.type, (dp_size, args.pp), mesh_dim_names=("dp", "pp"))
-    layout = Layout(mesh, args.schedule, args.micro_batches)
-    dp = (mesh["dp"].get_local_rank(), mesh["dp"].size())
-    torch.manual_seed(0)
-    base = LlamaGPT(cfg).to(DEVICE)
-    numel = sum(p.numel() for p in base.parameters())
-    gc.freeze()  # torch's and zero's import-time objects: each gc.collect() below skips them (0.2-0.7 s each)
+
+    def refuse(size: int) -> str | None:
+        dp_size = size // args.pp if size % args.pp == 0 else 0
+        if not dp_size or args.layers < parts or args.batch % (dp_size * args.micro_batches):
+            return (f"--pp {args.pp} must divide the world size ({size}), --layers ({args.layers}) must be at least "
+                    f"the parts ({parts}), and --batch ({args.batch}) a multiple of dp x --micro-batches")
+        return None
+
+    world = mesh_compare.start(args, "pp", refuse)
+    layout = Layout(world.mesh, args.schedule, args.micro_batches)
     chosen = specs(layout, args.bucket_mb)
-    log(f"world {world} (dp {dp[1]} x pp {args.pp}), LlamaGPT {numel / 1e6:.2f}M params in {parts} parts, "
-        f"{args.schedule} x {args.micro_batches} micro-batches, global batch {args.batch}, {args.threads} "
-        f"thread(s)/rank; contenders: {', '.join(s.name for s in chosen)}", flush=True)
-    contenders = {s.name: s.build(base) for s in chosen}
-    run_steps(contenders, cfg, args.batch, args.steps, args.warmup, real=True, dp=dp)
-    ref = contenders[BASELINE].losses
-    deviation = {n: max(abs(a / b - 1) for a, b in zip(c.losses, ref)) for n, c in contenders.items()}
-    for name, gap in deviation.items():  # the same training, before any figure is reported
-        if not gap <= LOSS_RTOL:
-            raise SystemExit(f"{name}: losses differ from {BASELINE}'s by {gap:.2e} (> {LOSS_RTOL:.0e}); "
-                             "not reporting figures")
-    log(f"losses agree with {BASELINE}'s over {args.warmup + args.steps} steps", flush=True)
-    collectives = count_collectives(contenders, cfg, args.batch, args.warmup + args.steps, dp)
+    world.log(f"world {world.size} (dp {world.dp[1]} x pp {args.pp}), LlamaGPT {world.numel / 1e6:.2f}M params in "
+              f"{parts} parts, {args.schedule} x {args.micro_batches} micro-batches, global batch {args.batch}, "
+              f"{args.threads} thread(s)/rank; contenders: {', '.join(s.name for s in chosen)}", flush=True)
+    contenders, results = mesh_compare.train(world, chosen, args, BASELINE)
+    collectives = count_collectives(contenders, world.cfg, args.batch, args.warmup + args.steps, world.dp)
     check_counts(collectives)
-    results = {n: {"median_ms": statistics.median(c.times_ms), "iqr_ms": iqr(c.times_ms),
-                   "loss_deviation": deviation[n],
-                   "grad_reductions": max(r["grad_reductions"] for r in collectives[n]),
-                   "grad_reduction_bytes": max(r["grad_reduction_bytes"] for r in collectives[n]),
-                   **{k: max(r[k] for r in collectives[n]) for k in ("flag_reductions", "gathers", "gather_bytes")}}
-               for n, c in contenders.items()}
+    for n, ranks in collectives.items():
+        results[n].update({k: max(r[k] for r in ranks) for k in ("grad_reductions", "grad_reduction_bytes",
+                                                                 "flag_reductions", "gathers", "gather_bytes")})
     times_ms = {n: c.times_ms for n, c in contenders.items()}
     losses = {n: c.losses for n, c in contenders.items()}
     del contenders
-    gc.collect()
-    for _ in range(2):  # each contender twice, in turn, keeping its lower figures (compare.py's reason)
-        for spec in chosen:
-            measured = memory(spec, base, cfg, args.batch, dp=dp)
-            kept = results[spec.name]
-            kept.update({k: min(v, kept.get(k, v)) for k, v in measured.items()})
-    anchor = results[BASELINE]
-    rows = [{"name": s.name, **results[s.name], "time_x_fsdp2_pp": results[s.name]["median_ms"] / anchor["median_ms"],
-             "iqr_x_fsdp2_pp": results[s.name]["iqr_ms"] / anchor["median_ms"],
-             "peak_x_fsdp2_pp": results[s.name]["peak"] / anchor["peak"]} for s in chosen]
-    log("\n" + table(rows))
-    data = {"world": world, "mesh": {"dp": dp[1], "pp": args.pp}, "parts": parts, "params": numel,
-            "config": vars(cfg), "run": run_record(args) | {"schedule": args.schedule,
-                                                           "micro_batches": args.micro_batches,
-                                                           "bucket_mb": args.bucket_mb, "clip": CLIP},
+    rows = mesh_compare.rows(world, chosen, results, args, BASELINE)
+    world.log("\n" + table(rows))
+    data = {"world": world.size, "mesh": {"dp": world.dp[1], "pp": args.pp}, "parts": parts, "params": world.numel,
+            "config": vars(world.cfg), "run": run_record(args) | {"schedule": args.schedule,
+                                                                 "micro_batches": args.micro_batches,
+                                                                 "bucket_mb": args.bucket_mb, "clip": CLIP},
             "rows": rows, "times_ms": times_ms, "losses": losses, "collectives": collectives}
-    if rank == 0 and args.json:
-        json.dump(data, open(args.json, "w"), indent=2)
-    if rank == 0 and args.markdown:
-        open(args.markdown, "w").write(markdown(data))
-    dist.destroy_process_group()
+    mesh_compare.finish(world, args, data, markdown)
 
 
 if __name__ == "__main__":

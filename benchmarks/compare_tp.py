@@ -15,7 +15,8 @@ batch, the tp ranks of one dp rank the same share:
 No gradient clipping: torch's ``clip_grad_norm_`` refuses FSDP2's parameters on two meshes (dp; dp x tp), so no
 contender clips and all do the same work.
 
-Measured as ``benchmarks/compare.py`` measures (its functions, reused):
+Measured as ``benchmarks/compare.py`` measures (its functions, reused; the command line, the mesh, the training and
+the memory rows are ``benchmarks/mesh_compare.py``'s, shared with ``compare_pp.py``):
 
 * **step time**: forward + backward + step + zero_grad after a barrier, max over the ranks; the median of the timed
   steps, interleaved (each step runs every contender once, the order rotating), and their interquartile range;
@@ -40,24 +41,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
-import statistics
 import sys
-from datetime import timedelta
 from typing import Callable
 
-import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from zero import ZeroOptimizer
-from zero.cli.gpt_options import add_gpt_arguments, gpt_config
-from zero.models import LlamaConfig, LlamaGPT, tensor_parallel_plan
+from zero.models import LlamaGPT, tensor_parallel_plan
 
-from compare import DEVICE, LOSS_RTOL, Contender, Spec, adamw, iqr, memory, run_record, run_steps
+import mesh_compare
+from compare import Contender, Spec, adamw, run_record
 
 BASELINE = "fsdp2-tp"
 STAGES = (1, 2, 3)
@@ -151,73 +147,29 @@ def markdown(data: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (dp = world size / tp)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--batch", type=int, default=8, help="global batch (split over the dp ranks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--json", default=None, help="write the rows, every step time and the comm stats here")
-    p.add_argument("--markdown", default=None, help="write the Markdown table and its method here")
-    add_gpt_arguments(p, vocab=512, seq_len=128, d_model=256, layers=4, heads=4)
-    args = p.parse_args(argv)
-    args.only = None  # (compare.run_record's field: every contender runs)
-    return args
+    return mesh_compare.parse_args(__doc__, "tp", "tensor-parallel degree (dp = world size / tp)", 8,
+                                   "write the rows, every step time and the comm stats here", argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if DEVICE.type == "cuda":
-        torch.cuda.set_device(DEVICE)
-    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo", timeout=timedelta(minutes=20))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.tp or args.heads % args.tp:
-        raise SystemExit(f"--tp {args.tp} must divide the world size ({world}) and --heads ({args.heads})")
-    log = print if rank == 0 else (lambda *a, **k: None)
-    g = gpt_config(args)
-    cfg = LlamaConfig(g.vocab_size, g.seq_len, g.d_model, g.num_layers, g.num_heads)
-    mesh = init_device_mesh(DEVICE.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    dp = (mesh["dp"].get_local_rank(), mesh["dp"].size())
-    torch.manual_seed(0)
-    base = LlamaGPT(cfg).to(DEVICE)
-    numel = sum(p.numel() for p in base.parameters())
-    gc.freeze()  # torch's and zero's import-time objects: each gc.collect() below skips them (0.2-0.7 s each)
-    chosen = specs(mesh)
-    log(f"world {world} (dp {dp[1]} x tp {args.tp}), LlamaGPT {numel / 1e6:.2f}M params, global batch {args.batch}, "
-        f"{args.threads} thread(s)/rank; contenders: {', '.join(s.name for s in chosen)}", flush=True)
-    contenders = {s.name: s.build(base) for s in chosen}
-    run_steps(contenders, cfg, args.batch, args.steps, args.warmup, real=True, dp=dp)
-    ref = contenders[BASELINE].losses
-    deviation = {n: max(abs(a / b - 1) for a, b in zip(c.losses, ref)) for n, c in contenders.items()}
-    for name, gap in deviation.items():  # the same training, before any figure is reported
-        if not gap <= LOSS_RTOL:
-            raise SystemExit(f"{name}: losses differ from {BASELINE}'s by {gap:.2e} (> {LOSS_RTOL:.0e}); "
-                             "not reporting figures")
-    log(f"losses agree with {BASELINE}'s over {args.warmup + args.steps} steps", flush=True)
-    results = {n: {"median_ms": statistics.median(c.times_ms), "iqr_ms": iqr(c.times_ms),
-                   "loss_deviation": deviation[n]} for n, c in contenders.items()}
+    world = mesh_compare.start(args, "tp", lambda size: (
+        f"--tp {args.tp} must divide the world size ({size}) and --heads ({args.heads})"
+        if size % args.tp or args.heads % args.tp else None))
+    chosen = specs(world.mesh)
+    world.log(f"world {world.size} (dp {world.dp[1]} x tp {args.tp}), LlamaGPT {world.numel / 1e6:.2f}M params, "
+              f"global batch {args.batch}, {args.threads} thread(s)/rank; contenders: "
+              f"{', '.join(s.name for s in chosen)}", flush=True)
+    contenders, results = mesh_compare.train(world, chosen, args, BASELINE)
     times_ms = {n: c.times_ms for n, c in contenders.items()}
     stats = comm_stats(contenders)
     del contenders
-    gc.collect()
-    for _ in range(2):  # each contender twice, in turn, keeping its lower figures (compare.py's reason)
-        for spec in chosen:
-            measured = memory(spec, base, cfg, args.batch, dp=dp)
-            kept = results[spec.name]
-            kept.update({k: min(v, kept.get(k, v)) for k, v in measured.items()})
-    anchor = results[BASELINE]
-    rows = [{"name": s.name, **results[s.name], "time_x_fsdp2_tp": results[s.name]["median_ms"] / anchor["median_ms"],
-             "iqr_x_fsdp2_tp": results[s.name]["iqr_ms"] / anchor["median_ms"],
-             "peak_x_fsdp2_tp": results[s.name]["peak"] / anchor["peak"]} for s in chosen]
-    log("\n" + table(rows))
-    data = {"world": world, "mesh": {"dp": dp[1], "tp": args.tp}, "params": numel, "config": vars(cfg),
-            "run": run_record(args), "rows": rows, "times_ms": times_ms, "comm_stats": stats}
-    if rank == 0 and args.json:
-        json.dump(data, open(args.json, "w"), indent=2)
-    if rank == 0 and args.markdown:
-        open(args.markdown, "w").write(markdown(data))
-    dist.destroy_process_group()
+    rows = mesh_compare.rows(world, chosen, results, args, BASELINE)
+    world.log("\n" + table(rows))
+    data = {"world": world.size, "mesh": {"dp": world.dp[1], "tp": args.tp}, "params": world.numel,
+            "config": vars(world.cfg), "run": run_record(args), "rows": rows, "times_ms": times_ms,
+            "comm_stats": stats}
+    mesh_compare.finish(world, args, data, markdown)
 
 
 if __name__ == "__main__":
