@@ -117,6 +117,7 @@ class LlamaConfig:
     num_layers: int = 2
     num_heads: int = 4
     qk_norm: bool = False
+    tie_embeddings: bool = False  # the output head is the token embedding (GPT-2's, Llama 3.2 1B's)
 
 
 class LlamaAttention(nn.Module):
@@ -151,7 +152,8 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaGPT(nn.Module):
-    """Token embedding, pre-norm :class:`LlamaBlock` s, a final norm and an untied output head."""
+    """Token embedding, pre-norm :class:`LlamaBlock` s, a final norm and an output head (untied unless
+    ``cfg.tie_embeddings``)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -161,6 +163,8 @@ class LlamaGPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(init_gpt_weights)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(idx)

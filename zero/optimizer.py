@@ -92,7 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.checkpointed = runtime.checkpointed
         watch_for_drop(self, runtime)
         if pipeline_group(mesh) is not None:
-            runtime.use_pipeline(pipeline_group(mesh))
+            runtime.pipeline_from_mesh(pipeline_group(mesh))
 
     @property
     def buckets(self) -> list[Bucket]:  # (this rank's)

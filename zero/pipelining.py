@@ -17,7 +17,7 @@ of them. See docs/parallelism.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,10 @@ class PipelineStage(_TorchPipelineStage):
     micro-batches with ``scale_grads``), and ``opt.clip_grad_norm_`` adds up over ``group``, the pipeline's ranks.
 
     ``optimizer``: the ``ZeroOptimizer`` over ``submodule`` (by default the one managing its parameters; one over
-    several parts, an ``nn.ModuleList`` of them, serves each part's stage). Build it before this stage::
+    several parts, an ``nn.ModuleList`` of them, serves each part's stage). ``tied_weights``: tensors that parts on
+    different ranks both hold, each as its parameters' names in the parts (the whole model's), the same list on every
+    stage, e.g. ``[("tok_embeddings.weight", "output.weight")]``: their gradients are summed over the parts and the
+    clip counts them once (an undeclared one is refused at the first step). Build the optimizer before this stage::
 
         opt = zero.ZeroOptimizer(torch.optim.AdamW(part.parameters()), part, stage=2, mesh=mesh["dp"])
         stage = zero.pipelining.PipelineStage(part, pp_rank, pp_size, device, group=mesh["pp"].get_group())
@@ -41,14 +44,16 @@ class PipelineStage(_TorchPipelineStage):
     """
 
     def __init__(self, submodule: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device,
-                 *args: Any, optimizer: ZeroOptimizer | None = None, **kwargs: Any):
+                 *args: Any, optimizer: ZeroOptimizer | None = None,
+                 tied_weights: Sequence[Sequence[str]] = (), **kwargs: Any):
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
         if self.dw_builder is not None:
             raise ValueError("zero.pipelining.PipelineStage was given a dw_builder: a weight pass of its own, run "
                              "outside backward, which ZeroOptimizer cannot see; leave dw_builder out (the zero-bubble "
                              "schedules split backward without one)")
         self.optimizer = optimizer if optimizer is not None else _optimizer_over(submodule)
-        self.pipeline = self.optimizer.runtime.join_pipeline(self.group or dist.group.WORLD, stage_index)
+        self.pipeline = self.optimizer.runtime.join_pipeline(self.group or dist.group.WORLD, stage_index, submodule,
+                                                             tuple(tuple(names) for names in tied_weights))
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if backward_type != "full":  # stage 3: the weight pass reads what the input pass gathered
@@ -63,7 +68,10 @@ class PipelineStage(_TorchPipelineStage):
         """The schedule's reduction after this part's last backward of the step: once every part of the optimizer
         has had it, the gradients are reduced, divided by ``grad_scale_factor`` too (torch's ``scale_grads``)."""
         if self.pipeline.part_done(self.stage_index):
+            if not self.pipeline.connected:  # the first step: the ranks compare what they hold (tied weights)
+                self.optimizer.runtime.connect_pipeline(self.pipeline.modules)
             self.optimizer.reduce_gradients(grad_scale_factor)
+            self.pipeline.tie.take_part()
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """Called instead of :meth:`perform_reduce_grad` by torch's schedules that have no reduction action."""

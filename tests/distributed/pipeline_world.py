@@ -58,18 +58,18 @@ ZERO_BUBBLE = {"zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZ
 BUCKET_MB = 0.02  # a few buckets per part
 
 
-def _model() -> LlamaGPT:
+def _model(cfg: LlamaConfig = CFG) -> LlamaGPT:
     torch.manual_seed(0)
-    return LlamaGPT(CFG)
+    return LlamaGPT(cfg)
 
 
 def _batch(step: int, global_batch: int):
     return synthetic_batch(step, global_batch, CFG, seed=11)
 
 
-def reference(global_batch: int) -> dict:
+def reference(global_batch: int, cfg: LlamaConfig = CFG) -> dict:
     """Single-process training of the whole model on the global batch."""
-    model = _model()
+    model = _model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
@@ -90,9 +90,9 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class Pipe:
     """This rank's parts of a ``num_parts``-part pipeline over ``mesh["pp"]`` (part ``i`` on pp rank ``i % pp``)."""
 
-    def __init__(self, mesh, num_parts: int, v_shape: bool = False):
+    def __init__(self, mesh, num_parts: int, v_shape: bool = False, cfg: LlamaConfig = CFG):
         self.mesh, self.pp = mesh, mesh["pp"].size()
-        self.parts = pipeline_parts(_model(), num_parts)
+        self.parts = pipeline_parts(_model(cfg), num_parts)
         rank = mesh["pp"].get_local_rank()
         self.mine = [i for i in range(num_parts) if i % self.pp == rank]
         if v_shape:  # ScheduleZBVZeroBubble's "V": rank r holds parts r and 2 pp - 1 - r
@@ -161,9 +161,9 @@ def zero_pipeline(mesh, name: str, stage: int, torch_stage: bool = False, kept: 
     return out | {"params": params, "buckets": len(opt.buckets)}
 
 
-def _pipe(mesh, name: str) -> Pipe:
+def _pipe(mesh, name: str, cfg: LlamaConfig = CFG) -> Pipe:
     one_part = name in ("gpipe", "1f1b")
-    return Pipe(mesh, mesh["pp"].size() * (1 if one_part else 2), v_shape=name == "zbv")
+    return Pipe(mesh, mesh["pp"].size() * (1 if one_part else 2), v_shape=name == "zbv", cfg=cfg)
 
 
 def _held_state(pipe: Pipe) -> dict[str, torch.Tensor]:

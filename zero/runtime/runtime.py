@@ -30,6 +30,7 @@ from zero.runtime.guards.ownership import Owner, check_model
 from zero.runtime.offload.paging import Resident
 from zero.runtime.parallel.pipeline import NoPipelineRanks, PipelineRanks
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
+from zero.runtime.parallel.ties import report
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
 from zero.runtime.stages import Stage
@@ -175,6 +176,7 @@ class Runtime:
             total = total_norm([norms[id(p)] for p in used], norm_type, self.comm.device)  # offload: on the host
             total = self._norm_over_dp(total, norm_type)
         else:  # tp-sharded pieces and replicated ones apart: the first add up over tp, the second count once
+            used = [p for p in used if self.pipeline.counts(p.slot)]  # a tied weight's copies once
             kinds = [[norms[id(p)] for p in used if p.slot.local.tp_sharded == sharded] for sharded in (True, False)]
             partial = self._norm_over_dp(torch.stack([total_norm(k, norm_type, self.comm.device) for k in kinds]),
                                          norm_type, partial=True)
@@ -267,12 +269,27 @@ class Runtime:
                              "on a rank is in one pipeline (its pp group, mesh['pp'])")
         return self.pipeline
 
-    def join_pipeline(self, group: Any, stage_index: int) -> PipelineRanks:
-        """A pipeline stage over (part of) this optimizer's model joins: see :meth:`use_pipeline`; the gradient
+    def pipeline_from_mesh(self, group: Any) -> None:
+        """torch's own ``PipelineStage``, the pipeline given by the mesh's ``"pp"`` dimension: no tie across parts can
+        be declared there, so the ranks compare their parameters now and refuse copies of one tensor."""
+        self.use_pipeline(group)
+        self.connect_pipeline([self.module])
+
+    def join_pipeline(self, group: Any, stage_index: int, part: torch.nn.Module,
+                      tied_weights: tuple[tuple[str, ...], ...]) -> PipelineRanks:
+        """A pipeline stage over ``part`` of this optimizer's model joins: see :meth:`use_pipeline`; the gradient
         reduction waits for every joined part's last backward of a step."""
         pipeline = self.use_pipeline(group)
-        pipeline.join(stage_index)
+        pipeline.join(stage_index, part, tied_weights)
         return pipeline
+
+    def connect_pipeline(self, parts: list[torch.nn.Module]) -> None:
+        """Compare what the pipeline's ranks hold (collective over pp and dp): the declared tie across parts set up
+        (its gradient summed as each reduction collects it), copies of a tensor undeclared refused."""
+        slots = [slot for bucket in self.trainable_buckets for slot in bucket.slots]
+        sharded = self.stage.num_shards(self.comm.world_size) > 1 or self.comm.force_collectives
+        held, mine = report(parts, slots, self.paging.walk(self.trainable_buckets), self.comm, sharded)
+        self.reducer.tie = self.pipeline.connect(held, mine)
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.check_open()

@@ -63,6 +63,7 @@ from zero.runtime.gathering.backward_pass import BackwardPass
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
+from zero.runtime.parallel.ties import NoTie, Tie
 from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
@@ -91,12 +92,9 @@ class GradReducer:
     def __init__(
         self,
         buckets: list[Bucket],
-        stage: Stage0,
-        comm: Communicator,
-        max_in_flight: int,
+        stage: Stage0, comm: Communicator, max_in_flight: int,
         gatherer: ParamGatherer | NoGatherer,
-        check: Callable[[], None],
-        steps: Callable[[], int],
+        check: Callable[[], None], steps: Callable[[], int],
         scaler: LossScaler | NoLossScaling,
         tensor_parallel: NoTensorParallel = NoTensorParallel(),
     ):
@@ -109,6 +107,7 @@ class GradReducer:
         self.steps = steps  # optimizer steps taken so far, compared across ranks at each reduction
         self.scaler = scaler  # fp16: sees each bucket's local gradients; its overflow flag rides on our all-reduce
         self.tensor_parallel = tensor_parallel  # makes tp-partial gradients whole; checks plain ones agree over tp
+        self.tie: Tie | NoTie = NoTie()  # a weight tied across pipeline parts: its local gradient summed over them
         self.sync_enabled = True  # False inside no_sync()
         self.divide_factor = 1  # the reduction divides by the dp size times this (a pipeline's micro-batches)
         self.state = GradState.EMPTY
@@ -284,6 +283,7 @@ class GradReducer:
         for _, handle in self._order.in_flight:  # hierarchical sharding: the sums across the groups of the
             handle.advance()  # buckets launched before start now, during backward (by then inside is mostly done)
         grads = self.stage.collect(bucket)
+        self.tie.sum_local(bucket, grads)
         self.scaler.observe(grads)
         self.tensor_parallel.observe(bucket, grads)
         handle = self.stage.launch_reduce(bucket, self.comm, self.divide_factor)
