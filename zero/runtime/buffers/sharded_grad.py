@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from zero.runtime.buffers.sharded_param import METADATA, cast_after_wrapping, convert_or_refuse, is_conversion, name_of
+from zero.runtime.buffers.sharded_param import (
+    METADATA,
+    cast_after_wrapping,
+    convert_or_refuse,
+    flat_arguments,
+    is_conversion,
+    name_of,
+)
 
 _ZEROING = frozenset({"zero_", "_foreach_zero_"})
 _HARMLESS = frozenset({"detach_", "requires_grad_"})  # what zero_grad(set_to_none=False) calls first
@@ -37,7 +44,7 @@ def _guarded(cls, func, types, args=(), kwargs=None):
     """The ``__torch_function__`` of a gradient guard, :class:`ShardedGrad` or the DTensor around one."""
     kwargs = kwargs or {}
     name = name_of(func)
-    guards = [guard_of(a) for a in _flat(args, kwargs) if type(a) in _GUARDS]
+    guards = [guard_of(a) for a in flat_arguments(args, kwargs) if type(a) in _GUARDS]
     if guards and name not in METADATA:
         if name in _ZEROING:
             for guard in guards:
@@ -107,14 +114,6 @@ def guard_of(t: torch.Tensor) -> ShardedGrad:
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _flat(args, kwargs):
-    for arg in (*args, *kwargs.values()):
-        if isinstance(arg, (list, tuple)):
-            yield from arg
-        else:
-            yield arg
 
 
 def sharded_grad(shape: torch.Size, name: str, reason: str, base: torch.Tensor) -> ShardedGrad:

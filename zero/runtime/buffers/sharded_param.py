@@ -16,6 +16,8 @@ moves is its local tensor's ``.data`` (``zero.runtime.buffers.local_tensor``); i
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -66,6 +68,16 @@ def convert_or_refuse(func, args, kwargs, message: str):
     raise RuntimeError(message)
 
 
+def flat_arguments(args: tuple, kwargs: dict) -> Iterator[object]:
+    """A ``__torch_function__`` call's arguments, positional then keyword, with lists and tuples opened one level
+    (``torch.cat([a, b])``, ``_foreach_zero_(grads)``)."""
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, (list, tuple)):
+            yield from arg
+        else:
+            yield arg
+
+
 def _guarded(cls, func, types, args=(), kwargs=None):
     """The ``__torch_function__`` of a managed stage-3 parameter (see the module docstring)."""
     kwargs = kwargs or {}
@@ -77,10 +89,9 @@ def _guarded(cls, func, types, args=(), kwargs=None):
     if name_of(func) == "view_as" and len(args) == 2 and args[0] is args[1]:  # `p.view_as(p).grad_fn`: how torch's
         with torch._C.DisableTorchFunctionSubclass():  # pipelining reaches a parameter's gradient accumulator
             return func(*args, **kwargs)
-    for arg in (*args, *kwargs.values()):
-        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if is_sharded(item):
-                _refuse(item, func)
+    for item in flat_arguments(args, kwargs):
+        if is_sharded(item):
+            _refuse(item, func)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
