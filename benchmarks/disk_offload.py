@@ -169,8 +169,8 @@ def theory(opt: zero.ZeroOptimizer, last_unit: torch.nn.Module | None) -> dict:
     per_element, bucket_bytes, unit_bytes = [], [], {}
     for bucket in opt.runtime.partition.trainable_buckets:
         states = opt.runtime.paging.state.regions.get(bucket.index, {})  # the optimizer's, by key
-        roles = {"shard": bucket.shard_buffer, "grad_shard": bucket.grad_shard_buffer, "master": bucket.master_buffer,
-                 "master_grad": bucket.master_grad, **states}
+        roles = {k: bucket.buffers[k] for k in ("shard", "grad_shard", "master", "master_grad") if k in bucket.buffers}
+        roles.update(states)
         n, size = bucket.layout.chunk_numel, {k: b.dtype.itemsize for k, b in roles.items() if on_disk(b)}
         state, mg = sum(size[k] for k in states), size.get("master_grad", 0)
         gathers = 1 if not reshard or bucket.unit.name == "" or bucket.unit.module is last_unit else 2

@@ -64,7 +64,7 @@ def measure(world_size: int, d_model: int, layers: int) -> dict:
     model = make()
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     opt = zero.ZeroOptimizer(adamw(model.parameters()), model, stage=3)
-    frozen_shards = sum(b.shard_buffer.nbytes for b in opt.buckets if not b.trainable)
+    frozen_shards = sum(b.buffers["shard"].nbytes for b in opt.buckets if not b.trainable)
     with zero.profile(model, opt) as prof:
         for _ in range(2):
             loss_fn(model, *batch(MICRO_BATCH)).backward()

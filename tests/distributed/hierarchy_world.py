@@ -87,7 +87,7 @@ def layout(rank: int, communication: dict) -> dict:
         "data_parallel_size": opt.comm.data_parallel_size, "groups": groups,
         "shard_numel": sum(b.shard.numel() for b in opt.buckets),
         "padded_numel": sum(b.layout.padded_numel for b in opt.buckets),
-        "secondary_numel": sum(b.secondary_buffer.numel for b in opt.buckets if b.secondary_buffer is not None),
+        "secondary_numel": sum(b.buffers["secondary"].numel for b in opt.buckets if "secondary" in b.buffers),
         "stats": opt.comm_stats,
     }
 

@@ -43,8 +43,8 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 def transients_freed(opt: ZeroOptimizer) -> bool:
     """Whether the separate staging buffers and fp32 gradient copies are released (after a step)."""
-    staging = [b.staging for b in opt.buckets if b.staging is not None and b.staging is not b.grad_buffer]
-    copies = [b.master_grad for b in opt.buckets if b.master_grad is not None]
+    staging = [b.buffers["staging"] for b in opt.buckets if "staging" in b.buffers]  # (else: the gradient buffer)
+    copies = [b.buffers["master_grad"] for b in opt.buckets if "master_grad" in b.buffers]
     return bool(staging + copies) and not any(buffer.is_allocated for buffer in staging + copies)
 
 

@@ -35,10 +35,9 @@ def test_theory_counts_each_buffer_at_its_dtype_size(built):
     buckets = opt.runtime.partition.trainable_buckets
     state = opt.runtime.paging.state.regions
     for bucket in buckets:  # every role, at its own buffer's dtype size
-        size = {"shard": bucket.shard_buffer.dtype.itemsize, "grad_shard": bucket.grad_shard_buffer.dtype.itemsize,
-                "master": bucket.master_buffer.dtype.itemsize,
+        size = {**{k: bucket.buffers[k].dtype.itemsize for k in ("shard", "grad_shard", "master")},
                 **{k: b.dtype.itemsize for k, b in state[bucket.index].items()}}
-        assert bucket.master_grad is None  # (fp32 reduce: the gradient shard is the optimizer's)
+        assert "master_grad" not in bucket.buffers  # (fp32 reduce: the gradient shard is the optimizer's)
         assert size in t["per_element"]
     low = opt.runtime.config.precision.enabled
     assert t["per_element"] == [{"shard": 2 if low else 4, "grad_shard": 4, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}]

@@ -66,7 +66,7 @@ def test_disk_offload_changes_no_number(tmp_path, stage, what, precision):
 def _in_file(opt: ZeroOptimizer, tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s bytes lie in one of the offload file's regions."""
     regions = [b for per_bucket in opt.runtime.paging.state.regions.values() for b in per_bucket.values()]
-    regions += [b.master_buffer for b in opt.partition.trainable_buckets]
+    regions += [b.buffers["master"] for b in opt.partition.trainable_buckets]
     start = tensor.data_ptr()
     for buffer in regions:
         base = buffer.storage_tensor.data_ptr()
@@ -171,8 +171,7 @@ def test_the_free_space_check_counts_the_file_exactly(tmp_path):
     assert planned_disk_bytes(opt.partition.plan, opt.runtime.paging.state.layout) == file.size
     exact = HEADER_BYTES + sum(
         b.nbytes for bucket in opt.partition.buckets
-        for b in (bucket.master_buffer, bucket.grad_shard_buffer, bucket.master_grad, bucket.shard_buffer)
-        if b is not None and b.placement.where is Where.DISK
+        for b in bucket.offloaded_buffers() if b.placement.where is Where.DISK
     ) + sum(b.nbytes for regions in opt.runtime.paging.state.regions.values() for b in regions.values())
     assert exact <= file.size < exact + 4096 * 5 * len(opt.partition.buckets)  # (tiny buckets: a page each)
 

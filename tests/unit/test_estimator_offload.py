@@ -37,8 +37,7 @@ def _on_disk(opt: ZeroOptimizer) -> list[list[int]]:
     """Per bucket, the bytes of each buffer the runtime placed in the offload file (its optimizer-state regions too)."""
     regions = opt.runtime.paging.state.regions
     return [
-        [b.nbytes for b in (bucket.master_buffer, bucket.grad_shard_buffer, bucket.master_grad, bucket.shard_buffer)
-         if b is not None and b.placement.where is Where.DISK]
+        [b.nbytes for b in bucket.offloaded_buffers() if b.placement.where is Where.DISK]
         + [b.nbytes for b in regions.get(bucket.index, {}).values()]
         for bucket in opt.partition.buckets
     ]
@@ -74,8 +73,8 @@ def test_the_disk_estimate_is_the_file_zero_optimizer_makes(tmp_path, stage, pre
     assert e.disk == file.size == HEADER_BYTES + sum(round_up(n) for sizes in buckets for n in sizes)
     assert exact <= e.disk < exact + PAGE * sum(map(len, buckets))
     window = sum(sorted((sum(round_up(n) for n in sizes) for sizes in buckets), reverse=True)[:buffer_count])
-    resident = sum(bucket.shard_buffer.nbytes for bucket in opt.partition.buckets  # params offloaded to the CPU
-                   if bucket.shard_buffer is not None and bucket.shard_buffer.placement.where is Where.HOST)
+    resident = sum(b.nbytes for bucket in opt.partition.buckets for b in bucket.params.offloaded()  # params on the CPU
+                   if b.placement.where is Where.HOST)
     loose = sum(t.untyped_storage().nbytes() for state in opt.inner.state.values() for t in state.values()
                 if isinstance(t, torch.Tensor) and not t.dim())  # the step counts, in memory
     # (the step counts are priced per element, from a traced bucket's: to within their own few bytes)
@@ -100,8 +99,7 @@ def test_the_cpu_estimate_is_the_host_memory_zero_optimizer_holds(stage, precisi
     model.loss(x, y).backward()
     opt.step()
     buffers = sum(b.nbytes for bucket in opt.partition.buckets
-                  for b in (bucket.master_buffer, bucket.grad_shard_buffer, bucket.master_grad, bucket.shard_buffer)
-                  if b is not None and b.placement.where.on_host)
+                  for b in bucket.offloaded_buffers() if b.placement.where.on_host)
     state = sum(t.untyped_storage().nbytes() for s in opt.inner.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor))
     assert e.host == pytest.approx(buffers + state, abs=64)

@@ -218,8 +218,7 @@ def test_the_host_holds_the_offloaded_buckets_state_whole_parameters_included(st
     offloaded = [bucket for bucket in opt.partition.buckets if bucket.offloaded]
     assert 0 < len(offloaded) < len(opt.partition.buckets)
     buffers = sum(b.nbytes for bucket in offloaded
-                  for b in (bucket.master_buffer, bucket.grad_shard_buffer, bucket.master_grad, bucket.shard_buffer)
-                  if b is not None and b.placement.where.on_host)
+                  for b in bucket.offloaded_buffers() if b.placement.where.on_host)
     held = [piece.tensor for bucket in offloaded for piece in bucket.pieces]
     held += [stand_in for slot, stand_in in opt.runtime.owners.owned() if slot.bucket in offloaded]
     state = sum(t.untyped_storage().nbytes() for inner in opt.optimizers for tensor in held

@@ -112,8 +112,7 @@ def test_the_host_estimate_is_what_the_offloaded_buckets_hold(stage, params):
     offloaded = [bucket for bucket in opt.partition.buckets if bucket.offloaded]
     assert 0 < len(offloaded) < len(opt.partition.buckets)
     buffers = sum(b.nbytes for bucket in offloaded
-                  for b in (bucket.master_buffer, bucket.grad_shard_buffer, bucket.master_grad, bucket.shard_buffer)
-                  if b is not None and b.placement.where.on_host)
+                  for b in bucket.offloaded_buffers() if b.placement.where.on_host)
     state = sum(t.untyped_storage().nbytes() for bucket in offloaded for piece in bucket.pieces
                 for t in opt.inner.state[piece.tensor].values() if isinstance(t, torch.Tensor))
     assert e.host == pytest.approx(buffers + state, abs=64)

@@ -90,7 +90,7 @@ def test_stage2_releases_gradients_and_stage1_keeps_views():
         if stage == 2:
             assert all(not b.staging.is_allocated for b in opt.buckets)  # staging released
         else:  # autograd accumulated into the persistent gradient buckets in place, as with DDP
-            assert all(b.grad_buffer.is_allocated for b in opt.buckets)
+            assert all(b.grads.buffer.is_allocated for b in opt.buckets)
         opt.step()
         opt.zero_grad()
         expected = 0 if stage == 2 else 4 * opt.partition.padded_numel  # stage 1 keeps its buckets

@@ -200,7 +200,7 @@ def ownership(buckets: Sequence[Any], assignment: Assignment, whole: dict[str, f
     owned = tuple(Owned(s.name, i, s.span.numel, here.get((i, s.span.param_index), 0))
                   for (i, s), o in zip(slots, owners) if o == shard)
     # (as OwnerStep._master_travels: the owner reads the master itself where every rank holds the parameters whole)
-    travels = tuple(b.master_buffer is not None or b.shard_buffer is not None for b in buckets)
+    travels = tuple(b.master_apart for b in buckets)
     return Ownership(shard, owned, tuple(sorted(lent.items())), state, num_shards, travels, tuple(elements))
 
 

@@ -11,6 +11,7 @@ import torch
 
 from zero.checkpoint.shard import header as shard_header
 from zero.runtime.buffers.bucket import Bucket
+from zero.runtime.buffers.plan import Role
 from zero.runtime.runtime import Runtime
 
 
@@ -41,7 +42,7 @@ def shard_state_dict(runtime: Runtime) -> dict[str, Any]:
     if masters:
         for bucket in masters:
             bucket.adopt_edits()
-        state["master"] = [bucket.master_buffer.data.clone() for bucket in masters]
+        state["master"] = [bucket.master.clone() for bucket in masters]
     if runtime.scaler.enabled:
         state["loss_scale"] = runtime.scaler.state_dict()
     return state
@@ -56,7 +57,7 @@ def load_shard_state_dict(runtime: Runtime, state_dict: dict[str, Any]) -> tuple
     masters = _with_masters(runtime)
     with torch.no_grad():
         for bucket, saved in zip(masters, state_dict["master"] if masters else []):
-            bucket.master_buffer.data.copy_(saved)
+            bucket.master.copy_(saved)
     return state_dict["optimizer"] if "optimizer" in state_dict else state_dict["optimizers"], masters
 
 
@@ -78,4 +79,5 @@ def finish_load(runtime: Runtime, inner_state: dict[str, Any] | list[dict[str, A
 
 
 def _with_masters(runtime: Runtime) -> list[Bucket]:
-    return [b for b in runtime.trainable_buckets if b.master_buffer is not None]
+    """The buckets whose plan gives the optimizer a master chunk of its own (saved beside the optimizer's state)."""
+    return [b for b in runtime.trainable_buckets if b.plan.has(Role.MASTER)]

@@ -2,13 +2,17 @@
 
 The buffers are built once, from the bucket's plan (``zero.runtime.buffers.plan``: its table says which exist at
 each stage and precision, their sizes, dtypes and where they live), each on its placement; the stage then
-only moves them between states (``zero.runtime.buffers.flat_buffer``). The attributes, by role:
+only moves them between states (``zero.runtime.buffers.flat_buffer``). What it holds, by concern, each an object
+with exactly the buffers its plan declared (``zero.runtime.buffers.bucket_buffers``):
 
-* ``param_buffer`` (params), ``shard_buffer`` (shard, stage 3), ``master_buffer`` (master, or ``None``: the
-  optimizer steps ``shard`` itself), ``grad_buffer`` (grads, stages 0-1), ``staging`` (staging: the gradient
-  buffer itself when the reduction is in place), ``grad_shard_buffer`` (grad_shard, when staged; else
-  ``grad_shard`` is this rank's chunk of the gradient buffer), ``grad_carry`` (stage 1 in place),
-  ``master_grad`` (the optimizer's own gradients), ``secondary_buffer`` (hpZ's secondary copy);
+* ``buffers``: every buffer with bytes of its own, by role; ``param_buffer`` (params) is in every bucket;
+* ``params``: ``WholeParams`` (stages 0-2) or ``ShardedParams`` (stage 3: ``shard_buffer``), with ``shard``,
+  this rank's chunk of the parameters;
+* ``master_copy``: ``MasterCopy`` (a master chunk of its own) or ``NoMasterCopy`` (the optimizer steps ``shard``);
+* ``grads``: ``InPlaceGrads`` / ``CarriedGrads`` (the persistent gradient buffer reduced in place, stage 1's carry),
+  ``StagedGrads`` / ``BufferedStagedGrads`` (a transient staging buffer and a gradient shard of its own), or
+  ``NoGrads`` (frozen), with ``staging`` and ``grad_shard``;
+* ``master_grads``: ``MasterGrads`` (the optimizer's gradients in a buffer of their own) or ``NoMasterGrads``;
 * ``slots``: the model parameters packed in it, whose ``.data`` are views of ``param_buffer``;
 * ``pieces``: 1D views of ``master``, one per parameter overlapping this rank's chunk: the tensors the wrapped
   ``torch.optim`` optimizer sees.
@@ -27,12 +31,26 @@ from typing import Iterator
 import torch
 
 from zero.memory import MemoryItem
+from zero.runtime.buffers.bucket_buffers import (
+    MasterCopy,
+    MasterGrads,
+    NoMasterCopy,
+    NoMasterGrads,
+    ShardedParams,
+    WholeParams,
+    adopt_edits_,
+    grads_of,
+    span_view,
+)
 from zero.runtime.buffers.flat_buffer import FlatBuffer
 from zero.runtime.buffers.layout import ParamSpan, Piece
 from zero.runtime.buffers.local_tensor import PlainLocal, TensorParallelLocal
 from zero.runtime.buffers.placement import DevicePlacement, Placements
 from zero.runtime.buffers.plan import BucketPlan, Role
-from zero.runtime.buffers.sharded_param import cast_after_wrapping
+from zero.runtime.buffers.sharded_param import cast_after_wrapping, placeholder
+from zero.runtime.buffers.units import UnitSpec
+
+__all__ = ["Bucket", "LocalPiece", "ParamSlot", "adopt_edits_"]  # (adopt_edits_: the estimator traces it)
 
 
 @dataclass
@@ -106,35 +124,32 @@ class Bucket:
         self.shard_index = shard_index
         self.trainable = plan.trainable
         self.slots: list[ParamSlot] = []
-        self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket
+        self.unit = None  # stage 3: the UnitSpec whose forward gathers this bucket (join_unit)
+        self.module = ""  # the path of its unit's module, which the profiler names its buffers by
         on_device = placements.device if placements.device.device == device else DevicePlacement(device)
         sides = {"device": on_device, "optimizer": placements.optimizer, "shard": placements.shard}
-        buffers = {  # resident ones allocated and zeroed (padding included)
+        self.buffers: dict[Role, FlatBuffer] = {  # what the plan gave bytes of its own; resident ones zeroed
             spec.role: FlatBuffer(
                 spec.numel, spec.dtype, sides[spec.side], allocate=spec.resident, name=spec.role.value
             )
             for spec in plan.buffers
             if spec.view_of is None
         }
-        self.param_buffer: FlatBuffer = buffers[Role.PARAMS]
-        self.shard_buffer: FlatBuffer | None = buffers.get(Role.SHARD)
-        self.master_buffer: FlatBuffer | None = buffers.get(Role.MASTER)
-        self.grad_buffer: FlatBuffer | None = buffers.get(Role.GRADS)
-        self.staging: FlatBuffer | None = buffers.get(Role.STAGING, self.grad_buffer)
-        self.grad_shard_buffer: FlatBuffer | None = buffers.get(Role.GRAD_SHARD)
-        self.grad_carry: FlatBuffer | None = buffers.get(Role.GRAD_CARRY)
-        self.master_grad: FlatBuffer | None = buffers.get(Role.MASTER_GRAD)
-        self.secondary_buffer: FlatBuffer | None = buffers.get(Role.SECONDARY)
+        start, end = self.layout.chunk_range(shard_index)
+        chunk = (start, end - start)
+        self.param_buffer: FlatBuffer = self.buffers[Role.PARAMS]
+        self.params = (ShardedParams if plan.has(Role.SHARD) else WholeParams)(self.buffers, chunk)
+        self.master_copy = (
+            MasterCopy(self.buffers, self.params, placements) if plan.has(Role.MASTER) else NoMasterCopy(self.params)
+        )
+        self.grads = grads_of(self.buffers, chunk, plan.trainable)
+        self.master_grads = (
+            MasterGrads(self.buffers, self.grads) if plan.has(Role.MASTER_GRAD) else NoMasterGrads(self.grads)
+        )
+        # an owner reads a whole parameter's master in the parameters it holds, unless the master is apart from them
+        self.master_apart = plan.has(Role.MASTER) or plan.has(Role.SHARD)
         self.pieces: list[LocalPiece] = []
         self.num_ready = 0
-
-    @property
-    def grad_shard(self) -> torch.Tensor | None:
-        """This rank's reduced gradient chunk (1D, reduce dtype): its own buffer when the reduction is staged,
-        else this rank's chunk of the gradient buffer (reduced in place)."""
-        if self.grad_shard_buffer is not None:
-            return self.grad_shard_buffer.data
-        return self.chunk_of(self.grad_buffer) if self.grad_buffer is not None else None
 
     def __repr__(self) -> str:
         names = [s.name for s in self.slots]
@@ -145,6 +160,10 @@ class Bucket:
 
     def add(self, slot: ParamSlot) -> None:
         self.slots.append(slot)
+
+    def join_unit(self, unit: UnitSpec) -> None:
+        """Stage 3: ``unit``'s forward gathers this bucket."""
+        self.unit, self.module = unit, unit.name
 
     def make_views(self) -> None:
         """Each slot's view of ``param_buffer``. Views can only be made of allocated storage; a
@@ -159,13 +178,12 @@ class Bucket:
 
     def pack_params(self) -> None:
         """Copy every parameter into ``param_buffer`` (cast to the compute dtype) and make its ``.data`` a
-        view of it (stages 0-2); the master chunk, if any, gets the values before the cast."""
+        view of it (stages 0-2); a master chunk of its own gets the values before the cast."""
         self.make_views()
         with torch.no_grad():
             for slot in self.slots:
                 tensor = slot.tensor
-                if self.master_buffer is not None:
-                    self.copy_to_shard(slot, tensor.data)
+                self.copy_to_master(slot, tensor.data)
                 slot.view.copy_(tensor.data)
                 tensor.data = slot.view
 
@@ -182,11 +200,18 @@ class Bucket:
 
     def copy_to_shard(self, slot: ParamSlot, whole: torch.Tensor) -> None:
         """Copy the pieces of ``whole`` (the slot's full value) that fall in this rank's chunk into
-        ``master`` (and, when it is separate, cast into ``shard``)."""
+        ``master`` (and, when it is a copy of its own, cast into ``shard``)."""
+        self._copy_pieces(slot, whole, [*self.master_copy.copies(), self.shard])
+
+    def copy_to_master(self, slot: ParamSlot, whole: torch.Tensor) -> None:
+        """Copy the pieces of ``whole`` in this rank's chunk into a master copy of its own (none: nothing to do, the
+        parameters' chunk is the master)."""
+        self._copy_pieces(slot, whole, self.master_copy.copies())
+
+    def _copy_pieces(self, slot: ParamSlot, whole: torch.Tensor, targets: list[torch.Tensor]) -> None:
         flat = whole.detach().reshape(-1)  # 1D
-        targets = [self.master] if self.master_buffer is None else [self.master, self.shard]
         with torch.no_grad():
-            for piece in self.layout.pieces(self.shard_index):
+            for piece in self.layout.pieces(self.shard_index) if targets else ():
                 if piece.param_index == slot.span.param_index:
                     for target in targets:
                         target.narrow(0, piece.chunk_start, piece.numel).copy_(
@@ -201,45 +226,27 @@ class Bucket:
         return self.placements.optimizer_offloaded
 
     def push_master(self) -> None:
-        """Cast the master chunk into this rank's chunk of the parameters (after a step or a load). Offloaded
-        to a GPU: cast on the host into pinned memory, then one asynchronous copy up."""
-        if self.master_buffer is None:
-            return
-        master, shard = self.master_buffer.data, self.shard
-        with torch.no_grad():
-            if master.device == shard.device:
-                shard.copy_(master)
-            else:
-                low = torch.empty(master.shape, dtype=shard.dtype, pin_memory=self.placements.pin)
-                low.copy_(master)
-                shard.copy_(low, non_blocking=self.placements.pin)  # the host allocator keeps ``low`` until done
+        """Cast the master chunk into this rank's chunk of the parameters (after a step or a load; nothing when the
+        optimizer steps the parameters' own chunk)."""
+        self.master_copy.push()
 
     def adopt_edits(self) -> None:
         """Take into the master chunk the elements of this rank's parameter chunk that differ from it cast
         down: values written since the last step (``model.load_state_dict()``, an edit inside
         ``gathered_parameters()``). The other elements keep their full precision."""
-        if self.master_buffer is not None:
-            adopt_edits_(self.master_buffer.data, self.shard)
+        self.master_copy.adopt_edits()
 
     def makes_master_grads(self, inv_scale: float) -> bool:
         """Whether :meth:`make_master_grads` touches the gradients (else they are the optimizer's as they are)."""
-        return self.master_grad is not None or inv_scale != 1.0
+        return self.master_grads.touches(inv_scale)
 
     def make_master_grads(self, inv_scale: float) -> None:
         """The optimizer's gradients: the gradient shard in the master dtype, divided by the loss scale
         (``inv_scale`` 1.0: none). In place when ``grad_shard`` is in the master dtype already."""
-        if self.master_grad is not None:
-            self.master_grad.ensure_allocated(zero=False)
-            self.master_grad.data.copy_(self.grad_shard, non_blocking=self.master_grad.pinned)
-            target = self.master_grad.data
-        else:
-            target = self.grad_shard
-        if inv_scale != 1.0:
-            target.mul_(inv_scale)
+        self.master_grads.make(inv_scale)
 
     def release_master_grads(self) -> None:
-        if self.master_grad is not None:
-            self.master_grad.free()
+        self.master_grads.release()
 
     def evict(self) -> None:
         """Offload to disk: write the buffers back and drop them from memory until their next use (else nothing)."""
@@ -248,10 +255,10 @@ class Bucket:
 
     def offloaded_buffers(self, grads_only: bool = False) -> list[FlatBuffer]:
         """The optimizer side's buffers, and stage 3's parameter shard (``grads_only``: the gradient shards only)."""
-        grads = [b for b in (self.grad_shard_buffer, self.master_grad) if b is not None]
+        grads = self.grads.offloaded() + self.master_grads.offloaded()
         if grads_only:
             return grads
-        return grads + [b for b in (self.master_buffer, self.shard_buffer) if b is not None]
+        return grads + self.master_copy.offloaded() + self.params.offloaded()
 
     # ----- views ----------------------------------------------------------------------------------
 
@@ -263,45 +270,56 @@ class Bucket:
     @property
     def shard(self) -> torch.Tensor:
         """This rank's chunk of the parameters (1D, compute dtype): at stages 0-2 a view of
-        ``param_buffer``, at stage 3 ``shard_buffer``."""
-        if self.shard_buffer is not None:
-            return self.shard_buffer.data
-        return self.chunk_of(self.param_buffer)
+        ``param_buffer``, at stage 3 its own buffer."""
+        return self.params.shard
 
     @property
     def master(self) -> torch.Tensor:
-        """The chunk the optimizer steps (1D): ``master_buffer``, or ``shard`` itself (the step then
+        """The chunk the optimizer steps (1D): a master copy of its own, or ``shard`` itself (the step then
         writes the parameters directly)."""
-        return self.master_buffer.data if self.master_buffer is not None else self.shard
+        return self.master_copy.master
 
-    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        """The slot's local gradient inside ``grad_buffer``, shaped like the parameter (stages 0-1)."""
-        assert self.grad_buffer is not None
-        return self.grad_buffer.view(slot.span.offset, slot.span.numel, slot.shape)
+    @property
+    def staging(self) -> FlatBuffer:
+        """What the gradient collective reduces (a trainable bucket's: the gradient buffer when reduced in place)."""
+        return self.grads.staging
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient chunk (1D, reduce dtype): its own buffer when the reduction is staged,
+        else this rank's chunk of the gradient buffer (reduced in place)."""
+        return self.grads.grad_shard
+
+    @property
+    def secondary_buffer(self) -> FlatBuffer:
+        """hpZ's secondary copy of the parameters (only a stage-3 bucket under ``hpz_partition_size`` has one)."""
+        return self.buffers[Role.SECONDARY]
 
     def staging_view(self, slot: ParamSlot) -> torch.Tensor:
         """The slot's span of ``staging``, shaped like the parameter."""
-        assert self.staging is not None
-        return self.staging.view(slot.span.offset, slot.span.numel, slot.shape)
+        return span_view(self.grads.staging, slot)
 
     @property
     def step_grads(self) -> torch.Tensor:
-        """The optimizer's gradient chunk (1D): ``master_grad``, or ``grad_shard``."""
-        source = self.master_grad.data if self.master_grad is not None else self.grad_shard
-        assert source is not None
-        return source
+        """The optimizer's gradient chunk (1D): a copy of its own, or ``grad_shard``."""
+        return self.master_grads.step_grads
 
     def grad_piece(self, piece: LocalPiece) -> torch.Tensor:
         """The optimizer's gradient for one local piece (1D view of :attr:`step_grads`)."""
         return self.step_grads.narrow(0, piece.piece.chunk_start, piece.piece.numel)
 
     def pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> list[torch.Tensor]:
-        """The slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, ``grad_carry``), as views."""
+        """The slot's elements in ``chunk`` (1D, one chunk long: ``grad_shard``, the carry), as views."""
         return [chunk.narrow(0, p.piece.chunk_start, p.piece.numel) for p in self.pieces if p.slot is slot]
 
     def zero_pieces_of(self, slot: ParamSlot, chunk: torch.Tensor) -> None:
         for view in self.pieces_of(slot, chunk):
             view.zero_()
+
+    def nan(self) -> torch.Tensor:
+        """One NaN element of the parameters' dtype and device: placeholders and gradient guards expand it."""
+        buffer = self.param_buffer.storage_tensor  # (dtype and device only)
+        return placeholder((), buffer.dtype, buffer.device)
 
     def check_attached(self, whole: bool) -> None:
         """Raise if a parameter changed dtype or device after wrapping (``model.to()``); with ``whole``
@@ -319,29 +337,24 @@ class Bucket:
         ``parameters``, ``gradients`` and ``optimizer_state`` (where the ZeRO paper counts fp32 master
         weights). An alias appears under each role; counting by storage takes it once.
         ``gathering``: stage 3's all-gather into ``param_buffer`` is in flight (e.g. a prefetch)."""
-        module = self.unit.name if self.unit is not None else ""
-        if gathering:
-            params = ("communication", "all-gather")
-        else:
-            params = ("parameters", "whole" if self.shard_buffer is None else "gathered")
-        staging = self.staging if self.staging is not self.grad_buffer else None  # else: the local gradients
+        module = self.module
         host = self.placements.optimizer.where.suffix if self.offloaded else ""
-        shard = "shard" + self.placements.shard.where.suffix
-        roles = [
-            ("parameters", *params, self.param_buffer),
-            ("parameters", "parameters", shard, self.shard_buffer),
-            ("parameters", "parameters", "secondary copy (hpZ)", self.secondary_buffer),
-            ("optimizer_state", "optimizer_state", "master weights" + host, self.master_buffer),
-            ("gradients", "gradients", "buckets", self.grad_buffer),
-            ("gradients", "communication", "reduce-scatter", staging),  # exists only for the collective
-            ("gradients", "gradients", "shard" + host, self.grad_shard_buffer),
-            ("gradients", "gradients", "carried", self.grad_carry),
-            ("gradients", "gradients", "master" + host, self.master_grad),
-        ]
-        for kind, category, label, buffer in roles:
-            if buffer is not None:
-                yield kind, MemoryItem(category, label, buffer.storage_tensor, module)
-        if self.grad_shard_buffer is None and self.grad_buffer is not None:  # a view of the gradient buffer
+        names = {  # in the plan's order of roles
+            Role.PARAMS: ("parameters", "communication", "all-gather") if gathering
+            else ("parameters", "parameters", self.params.label),
+            Role.SHARD: ("parameters", "parameters", "shard" + self.placements.shard.where.suffix),
+            Role.SECONDARY: ("parameters", "parameters", "secondary copy (hpZ)"),
+            Role.MASTER: ("optimizer_state", "optimizer_state", "master weights" + host),
+            Role.GRADS: ("gradients", "gradients", "buckets"),
+            Role.STAGING: ("gradients", "communication", "reduce-scatter"),  # exists only for the collective
+            Role.GRAD_SHARD: ("gradients", "gradients", "shard" + host),
+            Role.GRAD_CARRY: ("gradients", "gradients", "carried"),
+            Role.MASTER_GRAD: ("gradients", "gradients", "master" + host),
+        }
+        for role, (kind, category, label) in names.items():
+            if role in self.buffers:
+                yield kind, MemoryItem(category, label, self.buffers[role].storage_tensor, module)
+        if self.plan.has(Role.GRAD_SHARD) and Role.GRAD_SHARD not in self.buffers:  # a view of the gradient buffer
             yield "gradients", MemoryItem("gradients", "shard", self.grad_shard, module)
         for slot in self.slots:
             grad = slot.grad
@@ -363,19 +376,3 @@ class Bucket:
     @property
     def is_ready(self) -> bool:
         return self.num_ready == len(self.slots)
-
-
-ADOPT_BLOCK = 1 << 20  # elements per pass of adopt_edits_: bounds its temporaries to a few MiB
-
-
-@torch.no_grad()
-def adopt_edits_(master: torch.Tensor, shard: torch.Tensor) -> None:
-    """Write into ``master`` (1D) the elements of ``shard`` (its low-precision copy, 1D) that differ from ``master``
-    cast down, one block of ``ADOPT_BLOCK`` elements at a time, so that its temporaries (the cast copies, the mask
-    and the result, about 11 bytes per element for bf16) stay a few MiB whatever the bucket's size, also when
-    ``master`` is in host memory."""
-    for start in range(0, master.numel(), ADOPT_BLOCK):
-        high, low = master[start : start + ADOPT_BLOCK], shard[start : start + ADOPT_BLOCK]
-        here = high.to(device=low.device)  # ``high`` itself when both are on one device
-        edited = low.ne(here.to(low.dtype))
-        high.copy_(torch.where(edited, low.to(high.dtype), here))

@@ -157,7 +157,8 @@ def build_partition(
     buckets = []
     for bucket_plan, first, here in zip(stage_plan.buckets, firsts, where):
         bucket = Bucket(bucket_plan, shard_index, device_of(first), here)
-        bucket.unit = units[unit_of[first]] if units else None
+        if units:  # stage 3
+            bucket.join_unit(units[unit_of[first]])
         for span in bucket_plan.layout.spans:
             p = packed[span.param_index]
             bucket.add(ParamSlot(p, names[p], group_of.get(p, -1), weakref.ref(bucket), span, order[p],

@@ -38,7 +38,7 @@ from zero.runtime.buffers.layout import BucketLayout
 from zero.runtime.buffers.placement import Placements, Where
 
 
-class Role(Enum):
+class Role(str, Enum):  # (a str: ``bucket.buffers["master"]`` reads as the table above)
     PARAMS = "params"
     SHARD = "shard"
     MASTER = "master"
@@ -102,6 +102,10 @@ class BucketPlan:
 
     def spec(self, role: Role) -> BufferSpec | None:
         return next((b for b in self.buffers if b.role is role), None)
+
+    def has(self, role: Role) -> bool:
+        """Whether the bucket has ``role``'s buffer (one of its own, or a view of another)."""
+        return any(b.role is role for b in self.buffers)
 
     def nbytes(self, role: Role) -> int:
         """Bytes of ``role``'s buffer (0 when absent or a view of another)."""

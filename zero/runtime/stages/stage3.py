@@ -5,7 +5,8 @@ the optimizer updates it in place and nothing is gathered after the step. A buck
 full ``param_buffer`` exists only while its unit is gathered: :class:`ParamGatherer`
 (``zero.runtime.gathering.gatherer``) calls :meth:`unshard` before the unit's forward and again
 before its backward, and :meth:`reshard` after each. Gradients are handled exactly as at
-stage 2 (staged per bucket, reduce-scattered, kept as a ``1/N`` shard).
+stage 2 (staged per bucket, reduce-scattered, kept as a ``1/N`` shard: the same
+:class:`~zero.runtime.stages.gradients.StagedGradients`).
 
 While sharded, every parameter's ``.data`` is a guarded placeholder (see
 ``zero.runtime.buffers.sharded_param``), never a view of released memory.
@@ -17,22 +18,25 @@ import torch
 
 from zero.comm.communicator import Communicator, Handle
 from zero.runtime.buffers.bucket import Bucket
-from zero.runtime.buffers.sharded_param import make_sharded, placeholder, set_data
-from zero.runtime.stages.stage2 import Stage2
+from zero.runtime.buffers.sharded_param import make_sharded, set_data
+from zero.runtime.stages.gradients import AutogradLocal, StagedGradients, sharded_reason
+from zero.runtime.stages.stage import ReduceScatter, Stage
 
 
-class Stage3(Stage2):
+class Stage3(Stage):
     number = 3
     sharded_params = True
     gather_collective = "all-gather per unit"
 
+    def __init__(self) -> None:
+        super().__init__(ReduceScatter(), StagedGradients(AutogradLocal(), sharded_reason(self.number)))
+
     def init_params(self, bucket: Bucket) -> None:
         """Keep this rank's chunk of the parameters and turn each parameter into a placeholder."""
-        buf = bucket.param_buffer.storage_tensor  # (dtype and device only)
         bucket.make_views()
         for slot in bucket.slots:
             bucket.copy_to_shard(slot, slot.tensor)
-        nan = placeholder((), buf.dtype, buf.device)  # one element, shared by the bucket's placeholders
+        nan = bucket.nan()  # one element, shared by the bucket's placeholders
         for slot in bucket.slots:
             make_sharded(slot.param, slot.name)
             slot.placeholder = nan.expand(slot.shape)
@@ -50,10 +54,9 @@ class Stage3(Stage2):
         """Allocate ``param_buffer`` and start gathering every rank's chunk into it (through the communicator's
         codec, which may quantize, unless ``exact``: gathers outside training, whose values the user keeps).
         ``source``: this rank's chunk over ``comm``'s ranks, if not its shard (hpZ's secondary copy)."""
-        assert bucket.shard_buffer is not None
         bucket.param_buffer.allocate(zero=False)  # the all-gather writes every element, padding included
         if source is None:
-            bucket.shard_buffer.prefetch()  # on disk: read ahead, as far ahead as the gatherer unshards units
+            bucket.params.shard_buffer.prefetch()  # on disk: read ahead, as far ahead as the gatherer unshards units
             source = bucket.shard.to(comm.device, non_blocking=True)  # copied up from the host if offloaded
         handle = comm.all_gather(bucket.param_buffer.data, source, what=f"all-gather of {bucket}", exact=exact)
         bucket.param_buffer.start_collective()

@@ -60,7 +60,7 @@ class DelayedStep:
         """Start stepping the masters of ``buckets`` with the optimizer's gradients of this step (and the
         keyword arguments given to ``step()``)."""
         assert self._pending is None, "finish() the previous step first"
-        grads = [(b.master_grad.data if b.master_grad is not None else b.grad_shard).clone() for b in buckets]
+        grads = [b.step_grads.clone() for b in buckets]
         used = [[p for p in b.pieces if p.slot.used_anywhere] for b in buckets]  # as of now, not of the next pass
         frozen = copy.copy(self.optimizer)  # same state; groups copied with their hyperparameters of now
         frozen.param_groups = [dict(group) for group in self.optimizer.param_groups]

@@ -128,7 +128,7 @@ class OwnerStep:
     def _master_travels(self, bucket: int) -> bool:
         """Whether the owner needs the holders' master pieces of the bucket's parameters (see :meth:`_gather`)."""
         b = self.buckets[bucket]
-        return b.master_buffer is not None or b.shard_buffer is not None
+        return b.master_apart
 
     def _scatter(self, used: set, values: dict[tuple[int, int], torch.Tensor]) -> None:
         """Every updated piece into the master chunk of the shard that holds it."""

@@ -31,6 +31,7 @@ import torch
 
 from zero.config import StepKernel
 from zero.runtime.buffers.bucket import Bucket, LocalPiece
+from zero.runtime.buffers.plan import Role
 from zero.runtime.offload.paging import Resident
 from zero.runtime.step.flat_step import FlatAdamW
 from zero.runtime.step.host_threads import HostThreads
@@ -49,7 +50,7 @@ def triton_unsuitable(optimizer: torch.optim.Optimizer, bucket: Bucket) -> str |
     for key in ("amsgrad", "maximize", "differentiable"):
         if any(group.get(key) for group in optimizer.param_groups):
             return f"it does not implement {key}=True"
-    if bucket.master_buffer is None or bucket.dtypes.compute != torch.bfloat16:
+    if not bucket.plan.has(Role.MASTER) or bucket.dtypes.compute != torch.bfloat16:
         return "it steps fp32 masters into bf16 parameters (precision.param_dtype='bf16')"
     if bucket.offloaded:
         return "the offloaded step runs on the host (torch's fused CPU kernel)"
