@@ -388,7 +388,7 @@ class GradReducer:
 def _widen(slot: ParamSlot) -> None:
     """Under ``no_sync()`` with a reduce dtype wider than the parameters' (bf16 parameters, fp32 reduction): the pass's
     gradient moved into an accumulator in the reduce dtype, where micro-batches add up (as FSDP2 does; the reduction
-    adds it in, ``StagedReduction.collect``); ``p.grad`` zeroed in place for the next pass (``0 + g`` is exact)."""
+    adds it in, ``StagedGradients.collect``); ``p.grad`` zeroed in place for the next pass (``0 + g`` is exact)."""
     dtypes = slot.bucket.dtypes
     grad = slot.grad
     if grad is None or dtypes.reduce.itemsize <= dtypes.compute.itemsize:
