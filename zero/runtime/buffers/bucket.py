@@ -363,8 +363,8 @@ class Bucket:
                 yield "gradients", MemoryItem("gradients", label, grad, module)
             if slot.local_grad is not None:
                 yield "gradients", MemoryItem("gradients", "whole", slot.local_grad, module)
-            if slot.placeholder is not None:
-                yield "parameters", MemoryItem("parameters", "placeholder", slot.placeholder, module)
+        for placeholder_ in self.params.placeholders(self.slots):
+            yield "parameters", MemoryItem("parameters", "placeholder", placeholder_, module)
 
     # ----- per-backward bookkeeping -----------------------------------------------------------------
 

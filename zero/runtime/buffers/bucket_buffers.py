@@ -57,6 +57,10 @@ class WholeParams:
         """This rank's chunk of the parameters (1D, compute dtype)."""
         return self.buffer.view(*self.chunk)
 
+    def placeholders(self, slots: list) -> list[torch.Tensor]:
+        """What the parameters' ``.data`` are while sharded: none here (they are views of the buffer)."""
+        return []
+
     def offloaded(self) -> list[FlatBuffer]:
         return []
 
@@ -72,6 +76,10 @@ class ShardedParams:
     @property
     def shard(self) -> torch.Tensor:
         return self.shard_buffer.data
+
+    def placeholders(self, slots: list) -> list[torch.Tensor]:
+        """Each slot's placeholder (its ``.data`` while sharded: ``zero.runtime.buffers.sharded_param``)."""
+        return [slot.placeholder for slot in slots]
 
     def offloaded(self) -> list[FlatBuffer]:
         return [self.shard_buffer]
