@@ -11,7 +11,8 @@ parameter, on which path, and what each holds and allocates on the rank priced.
   owned parameters' is this rank's. Their step (``zero.runtime.step.owner_step``) holds the owned parameters' whole
   gradient and master value, 2x their elements in the master's dtype, and around them either the all-to-all's send
   and receive buffers (each shard's pieces of them in, the pieces this rank holds of others' out; the master's pieces
-  only where no rank holds the parameters whole) or the optimizers' own temporaries.
+  only where no rank holds the parameters whole; the send buffer goes before the whole tensors come) or the
+  optimizers' own temporaries.
 
 Fake tensors have no values: where an optimizer reads one on the host (Adafactor's ``param.norm().item()``), the
 trace reads 1 (:class:`HostReads`), which changes no shape.
@@ -258,13 +259,16 @@ def steps(optimizers: Sequence[torch.optim.Optimizer], recorder: Callable[[], An
 
 
 def owner_step_bytes(ownership: Ownership, offloaded: Sequence[bool], itemsize: int, temporaries: float) -> float:
-    """Device bytes the owner step holds at its peak besides the model states: the whole gradient and master value
-    of each owned parameter whose master is on the device, and the larger of the all-to-all's buffers (the pieces sent
-    and received, those of buckets in host memory copied to the device first), to the owners and then back, and of
-    the optimizers' ``temporaries`` on the device."""
+    """Device bytes the owner step holds at its peak besides the model states (``zero.runtime.step.owner_step``'s
+    order): the exchange to the owners (the pieces sent, those of buckets in host memory copied to the device first
+    and gone once packed, then the pieces received); the whole gradient and master value of each owned parameter whose
+    master is on the device, made after the send buffer is gone, beside the received pieces and then the optimizers'
+    ``temporaries`` on the device; the exchange back (the updates packed while the whole masters exist, the whole
+    gradients gone, then sent beside the pieces received)."""
     on_device = [o for o in ownership.owned if not offloaded[o.bucket]]
     wholes = 2 * itemsize * sum(o.numel for o in on_device)
     (out, back), (into, returned) = ownership.sent(), ownership.received()
     copied_out, copied_back = ownership.sent(offloaded) if any(offloaded) else (0, 0)
-    exchange = max(out + copied_out + into, back + copied_back + returned)
-    return wholes + max(itemsize * exchange, temporaries)
+    to_owners = itemsize * max(out + copied_out, out + into)
+    back_out = max(wholes / 2 + itemsize * (back + copied_back), itemsize * (back + returned))
+    return max(to_owners, wholes + itemsize * into, wholes + temporaries, back_out)

@@ -17,12 +17,14 @@ parameters with a gradient this step (on any rank) travel: as torch skips ``p.gr
 stepped. With one shard (stage 0) every rank steps every whole parameter, as every rank steps everything there.
 
 Between steps a stand-in holds a zero-stride placeholder of the parameter's shape (no memory): the whole tensors
-exist only during the step, about 2x the owned parameters' elements plus the exchange's buffers.
+exist only during the step, 2x the owned parameters' elements, beside the exchange's receive buffer (the pieces of
+them the other shards hold; their send buffer is gone before the whole tensors come, and the whole gradients before
+the updates travel back): about 2.5x the owned parameters at 2 shards (3x where the master travels), was 3x (4x).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -91,14 +93,25 @@ class OwnerStep:
             for key in wholes:
                 self.stand_ins[key].data, self.stand_ins[key].grad = _placeholder(self.slot_of[key]), None
         self.updates += len(wholes)
-        self._scatter(used, {key: tp.local_part(self.slot_of[key], value) for key, (_, value) in wholes.items()})
+        values = {key: tp.local_part(self.slot_of[key], value) for key, (_, value) in wholes.items()}
+        del wholes  # (the whole gradients go before the updates travel)
+        self._scatter(used, values)
 
     # ----- the exchange --------------------------------------------------------------------------------
 
     def _gather(self, used: set) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """The whole gradient and master value of each owned parameter in ``used``, by key. The master travels only
         where no rank holds it whole: at stages 0-2 without a separate master, every rank's parameter buffer holds
-        the whole current values (shared after the last step, edits included), so the owner reads its own."""
+        the whole current values (shared after the last step, edits included), so the owner reads its own. The whole
+        tensors are made once the exchange is done and its send buffer gone: they are held beside the received
+        pieces only."""
+        ex = self.exchange
+        sends = {o: Exchange.select(t, used) for o, t in ex.outgoing.items()}
+        receives = {h: Exchange.select(t, used) for h, t in ex.incoming.items()}
+        received = self._all_to_all(
+            {o: [self._local(t, grad) for grad, t in self._packed(ts)] for o, ts in sends.items()},
+            {h: sum(t.piece.numel for _, t in self._packed(ts)) for h, ts in receives.items()},
+            "gradients and masters to owners")
         wholes = {}
         for key in self.stand_ins:
             if key in used:
@@ -107,13 +120,6 @@ class OwnerStep:
                                     for _ in range(2))
                 if not self._master_travels(key[0]):
                     wholes[key][1].copy_(slot.view)
-        ex = self.exchange
-        sends = {o: Exchange.select(t, used) for o, t in ex.outgoing.items()}
-        receives = {h: Exchange.select(t, used) for h, t in ex.incoming.items()}
-        received = self._all_to_all(
-            {o: [self._local(t, grad) for grad, t in self._packed(ts)] for o, ts in sends.items()},
-            {h: sum(t.piece.numel for _, t in self._packed(ts)) for h, ts in receives.items()},
-            "gradients and masters to owners")
         for h, ts in receives.items():
             for grad, t in self._packed(ts):
                 self._whole_piece(wholes, t, grad).copy_(received[h].take(t.piece.numel))
@@ -131,28 +137,35 @@ class OwnerStep:
         return b.master_apart
 
     def _scatter(self, used: set, values: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Every updated piece into the master chunk of the shard that holds it."""
+        """Every updated piece into the master chunk of the shard that holds it: this rank's own first, then the
+        others' through the exchange, ``values`` emptied once packed (the updates go before the receive buffer
+        comes)."""
         ex = self.exchange
+        for t in Exchange.select(ex.own, used):
+            self._local(t, grad=False).copy_(self._piece_of(values[t.param], t))
         sends = {h: Exchange.select(t, used) for h, t in ex.incoming.items()}
         receives = {o: Exchange.select(t, used) for o, t in ex.outgoing.items()}
         received = self._all_to_all(
             {h: [self._piece_of(values[t.param], t) for t in ts] for h, ts in sends.items()},
-            {o: sum(t.piece.numel for t in ts) for o, ts in receives.items()}, "updated parameters from owners")
+            {o: sum(t.piece.numel for t in ts) for o, ts in receives.items()}, "updated parameters from owners",
+            release=values.clear)
         for o, ts in receives.items():
             for t in ts:
                 self._local(t, grad=False).copy_(received[o].take(t.piece.numel))
-        for t in Exchange.select(ex.own, used):
-            self._local(t, grad=False).copy_(self._piece_of(values[t.param], t))
 
-    def _all_to_all(self, sends: dict[int, list[torch.Tensor]], sizes: dict[int, int], what: str) -> dict:
+    def _all_to_all(self, sends: dict[int, list[torch.Tensor]], sizes: dict[int, int], what: str,
+                    release: Callable[[], None] = lambda: None) -> dict:
         """Send ``sends[s]`` (pieces, concatenated) to each other shard ``s`` and receive ``sizes[s]`` elements from
-        it, read back piece by piece in the order the sender packed them (both ends walk the same lists)."""
+        it, read back piece by piece in the order the sender packed them (both ends walk the same lists).
+        ``release()`` drops what the pieces were read from, once packed; the pieces' device copies go then too."""
         dtype = self.dtype
         shards = range(self.exchange.num_shards)
         out_splits = [sum(t.numel() for t in sends.get(s, [])) for s in shards]
         in_splits = [sizes.get(s, 0) for s in shards]
-        flat = [t.reshape(-1).to(device=self.comm.device, dtype=dtype) for s in shards for t in sends.get(s, [])]
+        flat = [t.reshape(-1).to(device=self.comm.device, dtype=dtype) for s in shards for t in sends.pop(s, [])]
         send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.comm.device)
+        del flat
+        release()
         receive = torch.empty(sum(in_splits), dtype=dtype, device=self.comm.device)
         if self.exchange.num_shards > 1:
             self.comm.all_to_all(receive, send, in_splits, out_splits, what=f"all-to-all of {what}").wait()
