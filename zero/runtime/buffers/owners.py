@@ -11,9 +11,10 @@ layout of every bucket stays the one the elementwise path uses.
 
 Owners are assigned largest parameter first, each to the shard holding the fewest elements so far: every such
 optimizer's state grows with the parameter's elements (Muon's momentum, SOAP's factors per dimension), so the
-state, and with it most of the work, is balanced. An optimizer whose step may read several of its parameters at once
-(``zero.runtime.step.inner.is_per_parameter``) is one unit: all its parameters get one owner. With one shard
-(stage 0) every rank owns every parameter.
+state, and with it most of the work, is balanced. The flat path's state is not the owners' to balance: it stays
+where the buckets' chunks put it (why: docs/design.md, owner-compute). An optimizer whose step may read several of
+its parameters at once (``zero.runtime.step.inner.is_per_parameter``) is one unit: all its parameters get one
+owner. With one shard (stage 0) every rank owns every parameter.
 """
 
 from __future__ import annotations
