@@ -88,7 +88,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inners = [inner.optimizer for inner in runtime.inners]
         super().__init__([g for o in inners for g in o.param_groups], inners[0].defaults if len(inners) == 1 else {})
         self.runtime, self.state = runtime, _state_of(inners)  # (param_groups: the same dicts as the inners')
-        self.module, self.comm, self.partition, self.zero_stage = model, runtime.comm, runtime.partition, runtime.stage
+        self.module, self.comm, self.partition = model, runtime.comm, runtime.partition
+        self.zero_stage, self.stage_policy = runtime.stage.number, runtime.stage  # the ZeRO stage (0-3); its policy
         self.checkpointed = runtime.checkpointed
         watch_for_drop(self, runtime)
         if pipeline_group(mesh) is not None:

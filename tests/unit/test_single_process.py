@@ -48,6 +48,7 @@ def test_bit_identical_to_plain_pytorch_without_a_process_group(stage, cls, kwar
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     assert opt.comm.world_size == 1 and opt.comm_stats == {}  # nothing is sent
+    assert type(opt.zero_stage) is int and opt.zero_stage == opt.stage_policy.number == stage  # (as in DeepSpeed)
 
 
 def test_lr_scheduler_drives_the_sharded_optimizer():
