@@ -8,8 +8,8 @@ then the median):
 * ``peak_bytes``: the allocator's peak of a profiled step (``zero.profile``, max over ranks);
 * ``state_bytes``: the wrapped optimizers' state on each rank (Muon's momentum, Adafactor's row and column
   statistics, AdamW's m and v): max and mean over ranks, and their ratio (the issue's target: <= 1.15);
-* ``updates``: whole-parameter updates each rank computed per step (``opt.runtime.owners.updates``); their sum is the
-  number of whole-path parameters (each computed once in the world).
+* ``updates``: whole-parameter updates each rank computed per step (``opt.runtime.whole_parameter_step.updates``);
+  their sum is the number of whole-path parameters (each computed once in the world).
 
 ``single``: the same optimizers without ``zero`` in one process on one thread (as each rank runs), its
 ``opt.step()`` time: the Muon+AdamW step at stage 2 should take at most 0.65 of it at 2 ranks (the matrix work split,
@@ -108,7 +108,7 @@ def run_contender(kind: str, stage: int, spec: dict, rank: int, world: int) -> d
         if i:  # the first step is untimed (state created, first gathers on demand)
             steps.append(slowest(done - start, world))
             optimizer_s.append(slowest(end - mid, world))
-    updates = opt.runtime.owners.updates / (spec["steps"] + 1)
+    updates = opt.runtime.whole_parameter_step.updates / (spec["steps"] + 1)
     held = state_bytes(opt.optimizers)
     with zero.profile(model, opt) as prof:
         model.loss(x, y).backward()

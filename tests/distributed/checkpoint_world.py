@@ -233,7 +233,7 @@ def _uninterrupted(recipe: str, stage: int, rank: int, world_size: int) -> dict:
 def _whole_states(opt) -> dict[str, dict]:
     """This rank's whole-parameter optimizer state by parameter name (shapes and values, cloned)."""
     out = {}
-    for slot, stand_in in opt.runtime.owners.owned():
+    for slot, stand_in in opt.runtime.whole_parameter_step.owned():
         for inner in opt.optimizers:
             if stand_in in inner.state:
                 out[slot.name] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
@@ -245,8 +245,8 @@ def _resumed(recipe: str, stage: int, path: Path, rank: int, world_size: int) ->
     """Other initial weights, loaded from ``path`` at ``stage``: what each rank owns and its state, then trained on."""
     model, opt, scheduler = build_whole(recipe, stage, rank, world_size, seed=1)
     zero.load_checkpoint(path, model, opt, scheduler=scheduler, progress=False)
-    owned = {slot.name: opt.runtime.owners.owner_of[key]
-             for key, slot in opt.runtime.owners.slot_of.items()}
+    owned = {slot.name: opt.runtime.whole_parameter_step.owner_of[key]
+             for key, slot in opt.runtime.whole_parameter_step.slot_of.items()}
     return {"states": _whole_states(opt), "owners": owned, **_finish(model, opt, scheduler)}
 
 
@@ -265,8 +265,8 @@ def save_whole_world(rank: int, world_size: int, root: str) -> dict:
         shard = copy.deepcopy(opt.state_dict())
         weights = {k: v.clone() for k, v in model.state_dict().items()}  # (stage 2: whole on every rank)
         saved = {"params": flat_params(model, opt), "states": _whole_states(opt),
-                 "owners": {slot.name: opt.runtime.owners.owner_of[key]
-                            for key, slot in opt.runtime.owners.slot_of.items()},
+                 "owners": {slot.name: opt.runtime.whole_parameter_step.owner_of[key]
+                            for key, slot in opt.runtime.whole_parameter_step.slot_of.items()},
                  "shard": {k: shard[k] for k in ("format", "inners")} if "inners" in shard else shard["inner"],
                  "scheduler": scheduler.state_dict()}
         out[(recipe, "saved")] = saved

@@ -177,8 +177,8 @@ def train(recipe: str, scenario: str, rank: int, world_size: int, mode: str, set
         losses.append(global_mean(total, world_size))
     out = {"losses": losses, "norms": norms, "params": flat_params(model, opt), "whole_updates": counted}
     if opt is not None:
-        out["updates"] = opt.runtime.owners.updates
-        out["owned"] = len(opt.runtime.owners.owned())
+        out["updates"] = opt.runtime.whole_parameter_step.updates
+        out["owned"] = len(opt.runtime.whole_parameter_step.owned())
         out["all_to_all"] = opt.comm_stats.get("all_to_all", {}).get("numel", 0)  # (the last step's)
         opt.close()
     return out

@@ -131,7 +131,8 @@ def _globals(model, opt, group) -> dict:
             values.append(_full(local))
         out[key] = _cat(values)
     whole = {inner.optimizer: inner for inner in opt.runtime.inners if inner.whole}
-    mine = {slot.name: optimizer.state[stand_in]["momentum_buffer"] for slot, stand_in in opt.runtime.owners.owned()
+    mine = {slot.name: optimizer.state[stand_in]["momentum_buffer"]
+            for slot, stand_in in opt.runtime.whole_parameter_step.owned()
             for optimizer in whole if stand_in in optimizer.state}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

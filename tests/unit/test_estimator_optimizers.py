@@ -220,10 +220,11 @@ def test_the_host_holds_the_offloaded_buckets_state_whole_parameters_included(st
     buffers = sum(b.nbytes for bucket in offloaded
                   for b in bucket.offloaded_buffers() if b.placement.where.on_host)
     held = [piece.tensor for bucket in offloaded for piece in bucket.pieces]
-    held += [stand_in for slot, stand_in in opt.runtime.owners.owned() if slot.bucket in offloaded]
+    held += [stand_in for slot, stand_in in opt.runtime.whole_parameter_step.owned() if slot.bucket in offloaded]
     state = sum(t.untyped_storage().nbytes() for inner in opt.optimizers for tensor in held
                 for t in inner.state.get(tensor, {}).values() if isinstance(t, torch.Tensor))
-    assert any(slot.bucket in offloaded for slot, _ in opt.runtime.owners.owned())  # (a matrix's momentum is there)
+    owned = opt.runtime.whole_parameter_step.owned()
+    assert any(slot.bucket in offloaded for slot, _ in owned)  # (a matrix's momentum is there)
     assert e.host == pytest.approx(buffers + state, abs=64)
 
 

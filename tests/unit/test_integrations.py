@@ -192,7 +192,7 @@ def test_trainer_and_accelerate_step_muon_and_adamw_in_one_zero_optimizer(tmp_pa
                           args=_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
                                      save_strategy="no", lr_scheduler_type="linear"))
     trainer.train()
-    assert trainer.zero_optimizer is opt and opt.runtime.owners.updates == 3 * matrices > 0
+    assert trainer.zero_optimizer is opt and opt.runtime.whole_parameter_step.updates == 3 * matrices > 0
     assert all(not torch.equal(p, q) for p, q in zip(before, model.parameters()))
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # the linear schedule's end, in Muon's and AdamW's group
     accelerate.state.AcceleratorState._reset_state(True)
@@ -202,5 +202,5 @@ def test_trainer_and_accelerate_step_muon_and_adamw_in_one_zero_optimizer(tmp_pa
     prepared.backward(model(input_ids=ids, labels=ids).loss)
     prepared.step()
     assert [type(o).__name__ for o in prepared.optimizers] == ["Muon", "AdamW"]
-    assert prepared.runtime.owners.updates == matrices
+    assert prepared.runtime.whole_parameter_step.updates == matrices
     accelerate.state.AcceleratorState._reset_state(True)

@@ -32,7 +32,7 @@ from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.gathering.release import ModelRelease, gather_dropped_shards
 from zero.runtime.gathering.secondary import PrimaryShards, SecondaryCopies
 from zero.runtime.guards.ddp import check_not_ddp
-from zero.runtime.guards.ownership import Owner, claim_parameters, managed_elsewhere
+from zero.runtime.guards.ownership import OwnershipMarker, claim_parameters, managed_elsewhere
 from zero.runtime.materialize import InitFn, materialize, replace_meta_parameters
 from zero.runtime.offload.host import check_host_memory
 from zero.runtime.offload.paging import per_element_state
@@ -99,8 +99,8 @@ def build_runtime(
     placements = placements or placements_of(config.offload, comm.device, comm.rank, comm.world_size)
     state = per_element_state(optimizers[0]) if placements.paged is not None else {}  # what a paged side must hold
     partition = _build_partition(groups, model, config, stage, comm, placements, state, secondary)
-    owner = Owner()
-    claim_parameters(owner, partition.buckets)
+    marker = OwnershipMarker()
+    claim_parameters(marker, partition.buckets)
     for bucket in partition.buckets:
         stage.init_params(bucket)
         if bucket.trainable:
@@ -116,11 +116,11 @@ def build_runtime(
     cast_unmanaged_parameters(model, precision, keep=managed | _full_precision(model, config))
     whole_groups = {gi: None if is_per_parameter(o, config.per_parameter_optimizers) else i
                     for i, (o, r, w) in enumerate(zip(optimizers, groups.ranges, whole)) if w for gi in r}
-    owners = OwnerStep(partition.trainable_buckets, whole_groups, comm, stage.num_shards(comm.world_size),
-                       tensor_parallel)
-    inners = [rebuild_whole(o, r, owners.owned()) if w else rebuild_flat(o, r, partition.buckets)
+    whole_step = OwnerStep(partition.trainable_buckets, whole_groups, comm, stage.num_shards(comm.world_size),
+                           tensor_parallel)
+    inners = [rebuild_whole(o, r, whole_step.owned()) if w else rebuild_flat(o, r, partition.buckets)
               for o, r, w in zip(optimizers, groups.ranges, whole)]
-    owners.inners = [inner for inner in inners if inner.whole]
+    whole_step.inners = [inner for inner in inners if inner.whole]
     stepper = BucketStepper(inners, partition.trainable_buckets, config.step_kernel)
     paging = paging_of(inners[0].optimizer, partition.trainable_buckets, placements, state, config.offload.buffer_count)
     threads = HostThreads(_host_threads(config, comm))
@@ -135,12 +135,12 @@ def build_runtime(
         stage=stage,
         partition=partition,
         placements=placements,
-        owner=owner,
+        marker=marker,
         inners=inners,
         stepper=stepper,
-        owners=owners,
+        whole_parameter_step=whole_step,
         update=(DelayedStep(inners[0].optimizer, threads) if config.offload.delayed_step
-                else ImmediateUpdate(stepper, owners, stage, comm, paging, threads)),
+                else ImmediateUpdate(stepper, whole_step, stage, comm, paging, threads)),
         scaler=LossScaler(precision.scaling, comm.device) if precision.scaling is not None else NoLossScaling(),
         gatherer=_gatherer(partition, stage, comm, config, secondary),
         paging=paging,
@@ -172,7 +172,7 @@ def watch_for_drop(owner: Any, runtime: Runtime) -> None:
     can be done without a collective (see ``zero.runtime.gathering.release``)."""
     finalizer = weakref.finalize(owner, runtime.release.dropped)
     finalizer.atexit = False  # (no collective, no hook removal at interpreter exit)
-    runtime.owner.optimizer = weakref.ref(owner)  # found from its parameters (zero.pipelining)
+    runtime.marker.optimizer = weakref.ref(owner)  # found from its parameters (zero.pipelining)
 
 
 def _check_whole_supported(optimizers: list[torch.optim.Optimizer], whole: list[bool], config: ZeroConfig) -> None:

@@ -40,10 +40,11 @@ def _unbucketed(runtime: Runtime) -> Iterator[tuple[str, MemoryItem]]:
     for name, p in runtime.partition.frozen:
         yield "parameters", MemoryItem("parameters", "frozen", p, name.rpartition(".")[0])
     states = [inner.optimizer.state for inner in runtime.inners]
+    whole = runtime.whole_parameter_step.owned()
     for bucket in runtime.trainable_buckets:  # (partial offload: some buckets' state is on the host, some not)
         host = bucket.placements.optimizer.where.suffix if bucket.offloaded else ""
         held = [piece.tensor for piece in bucket.pieces]  # the flat path's
-        held += [stand_in for slot, stand_in in runtime.owners.owned() if slot.bucket is bucket]  # the whole path's
+        held += [stand_in for slot, stand_in in whole if slot.bucket is bucket]  # the whole path's
         for tensor in held:
             for key, value in (v for state in states for v in state.get(tensor, {}).items()):
                 for leaf in tree_leaves(value):  # (a tensor, or lists of them: SOAP's per-dimension factors)

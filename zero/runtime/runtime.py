@@ -26,7 +26,7 @@ from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.gathering.release import ModelRelease
 from zero.runtime.guards.ddp import check_not_called_by_ddp
-from zero.runtime.guards.ownership import Owner, check_model
+from zero.runtime.guards.ownership import OwnershipMarker, check_model
 from zero.runtime.offload.paging import Resident
 from zero.runtime.parallel.pipeline import NoPipelineRanks, PipelineRanks
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
@@ -51,10 +51,10 @@ class Runtime:
     stage: Stage
     partition: Partition
     placements: Placements
-    owner: Owner  # what the managed parameters are marked with (zero.runtime.guards.ownership)
+    marker: OwnershipMarker  # what the managed parameters are marked with (zero.runtime.guards.ownership)
     inners: list[Inner]  # the wrapped optimizers, each rebuilt over this rank's share (zero.runtime.step.inner)
     stepper: BucketStepper
-    owners: OwnerStep  # the whole-parameter optimizers' owners and exchange (inert without one)
+    whole_parameter_step: OwnerStep  # the whole-parameter optimizers' owners and exchange (inert without one)
     update: ImmediateUpdate | DelayedStep
     scaler: LossScaler | NoLossScaling
     gatherer: ParamGatherer | NoGatherer

@@ -101,7 +101,7 @@ def _plan(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[ModelTensor
         for start, numel in _ranges(h, opt):
             keys |= ckpt.keys_of(name, start, numel, state=h.slot is not None and h.slot.bucket.trainable, box=box)
     names = slot_names(model_tensors)
-    for slot, _ in opt.runtime.owners.owned():  # the whole parameters this rank steps: their state
+    for slot, _ in opt.runtime.whole_parameter_step.owned():  # the whole parameters this rank steps: their state
         keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(names[id(slot)], names[id(slot)]))
     meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
     ckpt.verify(keys, on_bytes=meter.advance)
@@ -206,7 +206,7 @@ def _inner_state(ckpt: Checkpoint, opt: Checkpointable, inner: Inner, plan: Load
     names = slot_names(plan.model_tensors)
     inner.optimizer.state.clear()
     piece_of = {id(p.tensor): p for b in opt.buckets for p in b.pieces}
-    slot_of: dict[int, ParamSlot] = {id(stand_in): slot for slot, stand_in in opt.runtime.owners.owned()}
+    slot_of: dict[int, ParamSlot] = {id(stand_in): slot for slot, stand_in in opt.runtime.whole_parameter_step.owned()}
     state, groups, index = {}, [], 0
     for group, gi in zip(inner.optimizer.param_groups, inner.groups):
         ids = []

@@ -212,7 +212,7 @@ def _whole_states(opt: Checkpointable, names: dict[int, str]) -> list[tuple[str,
     """``(parameter name, optimizer state, optimizer)`` of each parameter stepped whole that this rank writes and
     that has state: its owner writes it, or with one shard (stage 0), where every rank owns every such parameter,
     rank ``i mod N`` the ``i``-th of them in model order."""
-    owners = opt.runtime.owners
+    owners = opt.runtime.whole_parameter_step
     one_shard = owners.exchange.num_shards == 1
     order = {key: i for i, key in enumerate(owners.slot_of)}
     writer = {id(stand_in): (order[key] % opt.comm.world_size if one_shard else opt.comm.rank)

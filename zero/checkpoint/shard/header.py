@@ -43,7 +43,8 @@ def header(
     """What a shard must match to be loaded: format, stage, world size, rank, precision (``param_dtype``,
     ``reduce_dtype``; ``None`` fields: full precision), layout and the wrapped optimizer (``optimizer``:
     the inner optimizer rebuilt over this rank's pieces, ``ZeroOptimizer.inner``), or with several or a whole one
-    ``inners`` (``runtime.inners``) and the whole parameters this rank owns (``owned``: ``runtime.owners.owned()``)."""
+    ``inners`` (``runtime.inners``) and the whole parameters this rank owns (``owned``:
+    ``runtime.whole_parameter_step.owned()``)."""
     described = ({"inner": {"class": class_name(optimizer), "pieces": optimizer_pieces(partition, optimizer)}}
                  if inners is None else {"inners": inners_record(partition, inners, owned)})
     return {

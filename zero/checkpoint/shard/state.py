@@ -30,7 +30,7 @@ def header_of(runtime: Runtime) -> dict[str, Any]:
         optimizer=runtime.inner if single else None,
         precision=runtime.config.precision.model_dump(include={"param_dtype", "reduce_dtype"}),
         inners=None if single else runtime.inners,
-        owned=runtime.owners.owned(),
+        owned=runtime.whole_parameter_step.owned(),
     )
 
 

@@ -1,6 +1,6 @@
 """The model's parameters belong to one ZeroOptimizer, which checks that the model still uses them.
 
-Construction marks each managed parameter with its owner (one optimizer per parameter);
+Construction marks each managed parameter with its optimizer's :class:`OwnershipMarker` (one optimizer per parameter);
 as each backward pass starts and before each step, the model must still hold those very
 parameters, with their dtype, device and (stages 0-2) storage: ``model.to()``, ``.half()``
 or ``load_state_dict(assign=True)`` after wrapping would otherwise train on silently.
@@ -32,7 +32,7 @@ class Managed(Protocol):
     def check_attached(self, whole: bool) -> None: ...
 
 
-class Owner:
+class OwnershipMarker:
     """One ZeroOptimizer's identity on the parameters it manages (held by its runtime, so it lives exactly as long)."""
 
     def __init__(self) -> None:
@@ -40,10 +40,11 @@ class Owner:
 
 
 class OwnerRef:
-    """A parameter's weak reference to the ZeroOptimizer managing it; pickles as no owner (``torch.save(model)``)."""
+    """A parameter's weak reference to the marker of the ZeroOptimizer managing it; pickles as no owner
+    (``torch.save(model)``)."""
 
-    def __init__(self, owner: object | None = None):
-        self._ref = weakref.ref(owner) if owner is not None else None
+    def __init__(self, marker: OwnershipMarker | None = None):
+        self._ref = weakref.ref(marker) if marker is not None else None
 
     @property
     def alive(self) -> bool:
@@ -56,8 +57,8 @@ class OwnerRef:
 def optimizer_of(param: torch.nn.Parameter) -> object | None:
     """The live ZeroOptimizer managing ``param``, if any."""
     ref = getattr(param, "_zero_owner", None)
-    owner = ref._ref() if ref is not None and ref.alive else None
-    return owner.optimizer() if owner is not None else None
+    marker = ref._ref() if ref is not None and ref.alive else None
+    return marker.optimizer() if marker is not None else None
 
 
 def managed_elsewhere(param: torch.nn.Parameter) -> bool:
@@ -66,8 +67,8 @@ def managed_elsewhere(param: torch.nn.Parameter) -> bool:
     return owner is not None and owner.alive
 
 
-def claim_parameters(owner: object, buckets: Sequence[Managed]) -> None:
-    """Mark every parameter in ``buckets`` as ``owner``'s; refuse one that another live ZeroOptimizer manages
+def claim_parameters(marker: OwnershipMarker, buckets: Sequence[Managed]) -> None:
+    """Mark every parameter in ``buckets`` with ``marker``; refuse one that another live ZeroOptimizer manages
     (its ``.data`` would be moved into two sets of flat buffers, and the first would train stale views)."""
     slots = [slot for bucket in buckets for slot in bucket.slots]
     for slot in slots:
@@ -78,7 +79,7 @@ def claim_parameters(owner: object, buckets: Sequence[Managed]) -> None:
                 "first optimizer before building a new one)."
             )
     for slot in slots:
-        slot.param._zero_owner = OwnerRef(owner)
+        slot.param._zero_owner = OwnerRef(marker)
 
 
 def check_model(model: torch.nn.Module, buckets: Sequence[Managed], *, whole: bool) -> None:

@@ -137,9 +137,9 @@ class ImmediateUpdate:
 
     pending = False
 
-    def __init__(self, stepper: BucketStepper, owners: OwnerStep, stage: Any, comm: Any, paging: Resident,
-                 threads: HostThreads):
-        self.stepper, self.owners, self.stage, self.comm = stepper, owners, stage, comm
+    def __init__(self, stepper: BucketStepper, whole_parameter_step: OwnerStep, stage: Any, comm: Any,
+                 paging: Resident, threads: HostThreads):
+        self.stepper, self.whole_parameter_step, self.stage, self.comm = stepper, whole_parameter_step, stage, comm
         self.paging, self.threads = paging, threads
 
     def update(self, buckets: list[Bucket], step_kwargs: dict[str, Any], adopt: bool = True) -> list:
@@ -147,11 +147,11 @@ class ImmediateUpdate:
         handles of the parameters' all-gathers (``None`` where nothing is gathered)."""
         handles = []
         with self.threads.scope():
-            if self.owners.active:  # (the owners read the masters: every edit taken first)
+            if self.whole_parameter_step.active:  # (the owners read the masters: every edit taken first)
                 for bucket in buckets if adopt else []:
                     bucket.adopt_edits()
                 adopt = False
-                self.owners.step(step_kwargs)
+                self.whole_parameter_step.step(step_kwargs)
             for bucket in self.paging.walk(buckets):
                 if adopt:
                     bucket.adopt_edits()
