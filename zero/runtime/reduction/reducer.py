@@ -180,7 +180,7 @@ class GradReducer:
 
     def _before_grad(self, index: int, grad: torch.Tensor) -> None:
         if self._pass.running:  # (also a backward nested in it: reentrant checkpointing)
-            self._flush()
+            self._hand_ready_to_stage()
         else:
             self._start_pass()
 
@@ -216,7 +216,7 @@ class GradReducer:
         slot.ready = True
         self._pending.append(slot)
 
-    def _flush(self) -> None:
+    def _hand_ready_to_stage(self) -> None:
         """Hand the gradients marked ready to the stage; launch every bucket now complete, in order."""
         for slot in self._pending:
             self.stage.stage_grad(slot.bucket, slot)
@@ -233,7 +233,7 @@ class GradReducer:
 
     def _end_pass(self) -> None:
         """Autograd finished the pass: finish its reduction round, if it had one; publish ``p.grad``."""
-        self._flush()
+        self._hand_ready_to_stage()
         reduced = self.state is GradState.REDUCING
         if reduced:
             self._finish_round()
