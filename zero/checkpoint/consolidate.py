@@ -41,7 +41,7 @@ from zero.checkpoint.portable import tensorfile
 from zero.checkpoint.portable.reader import Checkpoint
 from zero.checkpoint.portable.schema import summary
 from zero.checkpoint.portable.tensorfile import Spec
-from zero.checkpoint.progress import Progress, ProgressArg
+from zero.checkpoint.progress import ByteMeter, ProgressArg
 from zero.precision import DTYPES
 from zero.sizes import parse_size
 
@@ -78,7 +78,7 @@ def consolidate(
             return Spec(name, target, tuple(ckpt.tensors[name].shape))
 
         specs = [spec(name) for name in ckpt.tensors]
-        meter = Progress(f"exporting {ckpt.path} to {out}", sum(s.nbytes for s in specs), progress)
+        meter = ByteMeter(f"exporting {ckpt.path} to {out}", sum(s.nbytes for s in specs), progress)
         if out.suffix in TORCH_SUFFIXES:
             written = [_write_torch(ckpt, specs, aliases, out, meter)]
         elif out.suffix == ".safetensors":
@@ -91,7 +91,7 @@ def consolidate(
 
 
 def _write_file(ckpt: Checkpoint, specs: list[Spec], aliases: dict[str, str], path: Path,
-                meter: Progress) -> tuple[Path, str]:
+                meter: ByteMeter) -> tuple[Path, str]:
     """One safetensors file of ``specs``, each tensor read from the checkpoint just before it is written; returns
     it and its header's SHA-256."""
     mine = {s.key for s in specs}
@@ -103,7 +103,7 @@ def _write_file(ckpt: Checkpoint, specs: list[Spec], aliases: dict[str, str], pa
     return path, header.sha256
 
 
-def _write_directory(ckpt, specs, aliases, out: Path, limit: int, meter: Progress) -> list[Path]:
+def _write_directory(ckpt, specs, aliases, out: Path, limit: int, meter: ByteMeter) -> list[Path]:
     """``model.safetensors``, or shards plus the index above ``limit`` bytes (greedy, in state_dict order)."""
     shards: list[list[Spec]] = [[]]
     size = 0
@@ -165,7 +165,7 @@ class _Temporary:
         self.path.unlink(missing_ok=True)
 
 
-def _write_torch(ckpt, specs, aliases, out: Path, meter: Progress) -> Path:
+def _write_torch(ckpt, specs, aliases, out: Path, meter: ByteMeter) -> Path:
     """``torch.save`` of every name, the tensors memory-mapped from a temporary safetensors file."""
     with _Temporary(out.with_suffix(".safetensors")) as staging, _Temporary(out) as tmp:
         tensors = (ckpt.read_whole(s.key).to(s.dtype) for s in specs)

@@ -10,7 +10,7 @@ ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes in all)
 ProgressArg = Union[bool, ProgressCallback]
 
 
-class Progress:
+class ByteMeter:
     """Counts bytes done out of ``total``.
 
     ``report`` is ``True`` (print to stderr: a line every ``interval_s`` while the work lasts, and a

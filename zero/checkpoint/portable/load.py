@@ -27,7 +27,7 @@ from zero.checkpoint.portable.model_tensors import (
 )
 from zero.checkpoint.portable.pipeline import pipeline_names
 from zero.checkpoint.portable.reader import Checkpoint
-from zero.checkpoint.progress import Progress, ProgressArg
+from zero.checkpoint.progress import ByteMeter, ProgressArg
 from zero.runtime.buffers.bucket import ParamSlot
 from zero.runtime.step.inner import Inner
 
@@ -85,7 +85,7 @@ def load_checkpoint(
 class LoadPlan:
     model_tensors: list[ModelTensor]
     state: dict[str, Any]  # the decoded trees: param_groups, scheduler, extra, loss_scale
-    meter: Progress
+    meter: ByteMeter
 
 
 def _plan(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[ModelTensor], aliases: dict[str, str],
@@ -103,7 +103,7 @@ def _plan(ckpt: Checkpoint, opt: Checkpointable, model_tensors: list[ModelTensor
     names = slot_names(model_tensors)
     for slot, _ in opt.runtime.whole_parameter_step.owned():  # the whole parameters this rank steps: their state
         keys |= ckpt.whole_state_keys(ckpt.meta.aliases.get(names[id(slot)], names[id(slot)]))
-    meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
+    meter = ByteMeter(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), report)
     ckpt.verify(keys, on_bytes=meter.advance)
     state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
     if len(state["param_groups"]) != len(opt.param_groups):
@@ -239,7 +239,7 @@ def _load_plain(path: str | os.PathLike, model: Model, progress: ProgressArg) ->
         keys = ckpt.extra_keys()
         for name, tensor in sd.items():
             keys |= ckpt.keys_of(names[name], 0, local_tensor(tensor).numel(), state=False, box=local_box(tensor))
-        meter = Progress(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
+        meter = ByteMeter(f"loading {ckpt.path}", sum(ckpt.entries[f][k].nbytes for f, k in keys), progress)
         ckpt.verify(keys, on_bytes=meter.advance)
         state = tree.decode(ckpt.meta.state.model_dump(), ckpt.extra_tensor)
         with torch.no_grad():

@@ -31,7 +31,7 @@ from zero.checkpoint.portable.model_tensors import (
 from zero.checkpoint.portable.pipeline import pipeline_view
 from zero.checkpoint.portable.schema import BOXES_FORMAT, FORMAT, OPTIMIZERS_FORMAT, CheckpointMetadata, part_name
 from zero.checkpoint.portable.tensorfile import Spec
-from zero.checkpoint.progress import Progress, ProgressArg
+from zero.checkpoint.progress import ByteMeter, ProgressArg
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket
 from zero.version import __version__
@@ -104,7 +104,7 @@ def _save(path: str | os.PathLike, model: Model, opt: Checkpointable, scheduler:
 
     writes, placed = grid.everywhere(prepare, "preparing the save")
     report = progress if grid.rank == 0 or callable(progress) else False
-    meter = Progress(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
+    meter = ByteMeter(f"saving {final}", sum(spec.nbytes for spec, _ in writes), report)
     manifests = grid.everywhere(lambda: _write_part(partial, grid, writes, placed, meter), "writing its part",
                                 share=True)
     meta = {
@@ -236,7 +236,7 @@ def _writer(bucket: Bucket, comm: Communicator) -> int:
 
 
 def _write_part(partial: Path, grid: Grid, writes: list[Write], placed: dict[str, Any],
-                meter: Progress) -> dict[str, Any]:
+                meter: ByteMeter) -> dict[str, Any]:
     """Write this rank's file; return its manifest (entries, pieces by tensor name, whole-parameter state by
     parameter name, boxes by tensor name in format 4, size, largest ``step``)."""
     file = partial / part_name(grid.rank, grid.world_size)

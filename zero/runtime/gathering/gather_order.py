@@ -54,7 +54,7 @@ class UnitState(enum.Enum):
 
 
 @dataclass(eq=False)
-class Progress:
+class UnitProgress:
     """Where one unit is in the step."""
 
     num_params: int  # its trainable parameters (those that get gradients)
@@ -91,7 +91,7 @@ class GatherOrder(Generic[U]):
     def __init__(self, units: Sequence[U], num_params: Sequence[int], root: U | None, gathers: Gathers[U], *,
                  prefetch: int, reshard_after_forward: bool = True):
         self.units = list(units)
-        self.progress = {u: Progress(n, root is not None and u == root) for u, n in zip(units, num_params)}
+        self.progress = {u: UnitProgress(n, root is not None and u == root) for u, n in zip(units, num_params)}
         self.has_root = root is not None
         self.gathers = gathers
         self.prefetch = prefetch

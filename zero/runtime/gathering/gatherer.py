@@ -67,7 +67,7 @@ from zero.outputs import tensors_in
 from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.buffers.units import UnitSpec
 from zero.runtime.gathering.backward_pass import BackwardPass
-from zero.runtime.gathering.gather_order import GatherOrder, Progress, UnitState
+from zero.runtime.gathering.gather_order import GatherOrder, UnitProgress, UnitState
 from zero.runtime.gathering.post_backward import hook_input_gradients
 from zero.runtime.gathering.saved_params import SavedParamCheck
 from zero.runtime.gathering.secondary import PrimaryShards
@@ -91,7 +91,7 @@ class Unit:
         # The root unit's backward starts as soon as its forward ends, so it is never released in
         # between (FSDP2 does the same): regathering it at once would only cost traffic.
         self.is_root = spec.name == ""
-        self.progress = Progress(self.num_params, self.is_root)  # (the schedule's own, once it is built)
+        self.progress = UnitProgress(self.num_params, self.is_root)  # (the schedule's own, once it is built)
 
     def __repr__(self) -> str:
         return f"unit {self.name!r}"
