@@ -58,18 +58,17 @@ import torch
 
 from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
-from zero.runtime.buffers.placement import to_device_async
 from zero.runtime.gathering.backward_pass import BackwardPass
 from zero.runtime.gathering.gatherer import ParamGatherer
 from zero.runtime.gathering.no_gatherer import NoGatherer
 from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.parallel.ties import NoTie, Tie
+from zero.runtime.reduction.agreement import RoundFlags
 from zero.runtime.reduction.reduction_order import ReductionOrder
+from zero.runtime.reduction.user_edits import apply_user_edit
 from zero.runtime.stages.stage0 import Stage0
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook
-
-_AGREE_MOD = 2**31 - 1  # values compared across ranks ride in int32 flags
 
 
 class GradState(enum.Enum):
@@ -153,28 +152,9 @@ class GradReducer:
             return
         for bucket in self.buckets:
             for slot in bucket.slots:
-                self._apply_user_edit(bucket, slot)
+                apply_user_edit(self.stage, bucket, slot, reduced=self.state is GradState.REDUCED)
         if self.state is not GradState.EMPTY and not any(slot.has_grad for slot in self.slots):
             self.clear()  # every gradient was cleared: the same as opt.zero_grad()
-
-    def _apply_user_edit(self, bucket: Bucket, slot: ParamSlot) -> None:
-        grad = slot.grad
-        if grad is None:
-            if slot.has_grad:
-                self.stage.clear_grad(bucket, slot)
-                slot.used_here = slot.used_anywhere = False
-                slot.local_grad = slot.wide_grad = None
-        elif grad is slot.grad_guard:
-            scalings = grad.take_scalings()
-            if scalings:
-                self.stage.scale_grad(bucket, slot, scalings, reduced=self.state is GradState.REDUCED)
-            if grad.take_zeroed():
-                self.stage.clear_grad(bucket, slot)
-                if slot.local_grad is not None:
-                    slot.local_grad.zero_()
-        elif self.state is GradState.REDUCED:  # stage 0: a gradient the user set (stages 1-3 refuse)
-            self.stage.adopt_grad(bucket, slot)
-            slot.used_here = slot.used_anywhere = True
 
     # ----- hooks ----------------------------------------------------------------------------------------
 
@@ -304,12 +284,9 @@ class GradReducer:
                 if not slot.ready:
                     self.stage.stage_grad(bucket, slot)
             self._launch(bucket)
-        local = [int(slot.used_here) for slot in self.slots]
-        steps = self.steps() % _AGREE_MOD
-        local += [steps, -steps]  # MAX of both: equal to (v, -v) only if every rank had v
-        local += self.gatherer.fingerprint_flags()
-        flags = to_device_async(torch.tensor(local, dtype=torch.int32), self.comm.device)
-        flags = torch.cat([flags, self.scaler.local_flags(self.comm.device)])  # last: overflow (fp16 only)
+        mine = RoundFlags(used=[slot.used_here for slot in self.slots], steps=self.steps(),
+                          gathers=self.gatherer.fingerprint_flags(), overflow=self.scaler.local_flags(self.comm.device))
+        flags = mine.pack(self.comm.device)
         self.comm.all_reduce(flags, op="max", what="all-reduce of which parameters got gradients",
                              every_group=True).wait()
         while self._order.in_flight:
@@ -317,20 +294,19 @@ class GradReducer:
         # Note: the one host read of a device value in a training step. The host waits here for backward and its
         # reductions to finish on the device; it decides which parameters get a gradient and refuses a step on
         # gradients of ranks that diverged before step() can use them (never a silent step).
-        agreed = flags.tolist()
-        self.scaler.agree(agreed)
-        for slot, used in zip(self.slots, agreed):
-            slot.used_anywhere = bool(used)
+        agreed = mine.unpack(flags.tolist())
+        self.scaler.agree(agreed.overflow)
+        for slot, used in zip(self.slots, agreed.used):
+            slot.used_anywhere = used
         self._to(GradState.REDUCED, GradState.REDUCING)
-        at = len(self.slots)
-        if agreed[at] != -agreed[at + 1]:
+        if not agreed.steps_agree:
             self.clear()
             raise RuntimeError(
-                f"zero: ranks have taken different numbers of optimizer steps (this rank: {steps}): a rank skipped "
-                "step() (or took an extra one), e.g. under a condition on its own loss or data, so the ranks' "
-                "models have diverged. Every rank must call step() at the same points."
+                f"zero: ranks have taken different numbers of optimizer steps (this rank: {mine.steps}): a rank "
+                "skipped step() (or took an extra one), e.g. under a condition on its own loss or data, so the "
+                "ranks' models have diverged. Every rank must call step() at the same points."
             )
-        if not self.gatherer.fingerprints_agree(agreed[at + 2 :]):
+        if not self.gatherer.fingerprints_agree(agreed.gathers):
             self.clear()  # step() must not use these gradients
             raise RuntimeError(
                 "zero: ranks gathered different stage-3 units (or in a different order) in this forward/backward: "
