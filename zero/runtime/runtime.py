@@ -33,6 +33,7 @@ from zero.runtime.parallel.tensor_parallel import NoTensorParallel
 from zero.runtime.parallel.ties import report
 from zero.runtime.precision.casts import cast_inputs
 from zero.runtime.reduction.reducer import GradReducer, GradState
+from zero.runtime.reduction.user_edits import refuse_hand_written
 from zero.runtime.stages import Stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.inner import Inner
@@ -136,6 +137,8 @@ class Runtime:
         self.check_open()
         self.reducer.apply_user_grad_edits()
         self.check_model()
+        if self.reducer.state is GradState.EMPTY:  # then a p.grad is one no backward pass gave
+            refuse_hand_written([slot for slot in self.reducer.slots if slot.grad is not None])
         return self.reducer.state is not GradState.EMPTY
 
     def master_grads(self) -> list[torch.Tensor]:
