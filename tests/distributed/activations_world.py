@@ -1,4 +1,4 @@
-"""Activation checkpointing in the shared worlds: each stage with and without it, dropout on."""
+"""Activation checkpointing in its own world (``test_activations_world.py``): each stage with and without it."""
 
 from __future__ import annotations
 

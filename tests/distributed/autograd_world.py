@@ -1,4 +1,4 @@
-"""Every way people call autograd, in the shared worlds (issue 41), at every stage, with and without activation
+"""Every way people call autograd, in their world (issue 41), at every stage, with and without activation
 checkpointing, against single-process PyTorch on the global batch (rank 0 runs the reference in the same process):
 
 * ``grad_input``: ``torch.autograd.grad(loss, x)`` with the input a leaf (saliency), then a step on the
@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.readouts import flat_params
+from tests.readouts import flat_params, max_diff
+from tests.toy import CheckpointedNet, batch
 from zero import ZeroOptimizer
 from zero.models import local_slice
 
@@ -136,3 +137,38 @@ def autograd_checks(rank: int, world_size: int) -> dict:
             for checkpointing in (False, True):
                 out[(name, stage, checkpointing)] = run(name, rank, world_size, stage, checkpointing)
     return out
+
+
+def toy_paths(rank: int, world_size: int) -> dict:
+    """Max |difference| from single-process PyTorch, per (case, stage), on the small ``CheckpointedNet``:
+    "reentrant" (blocks under reentrant activation checkpointing) and "interrupted" (an error in the
+    middle of a backward pass on step 1, then ``zero_grad()`` and the step again)."""
+
+    def run(case: str, stage: int | None) -> torch.Tensor:
+        model = CheckpointedNet(reentrant=case == "reentrant")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        if stage is not None:
+            opt = ZeroOptimizer(opt, model, stage=stage, bucket_size_mb=1e-4)  # a bucket per parameter
+        for step in range(4):
+            x = batch(step) if stage is None else local_slice(batch(step), rank, world_size)
+            if case == "interrupted" and step == 1:
+                try:
+                    model(x, boom=True).backward()
+                except RuntimeError:
+                    opt.zero_grad()
+            model(x, step % 2 == 1).backward()
+            opt.step()
+            opt.zero_grad()
+        return flat_params(model, opt)
+
+    out = {}
+    for case in ("reentrant", "interrupted"):
+        ref = run(case, None)
+        for stage in range(4):
+            out[(case, stage)] = max_diff(run(case, stage), ref)
+    return out
+
+
+def checks(rank: int, world_size: int) -> dict:
+    """Everything this world runs: the patterns (:func:`autograd_checks`) and :func:`toy_paths`."""
+    return {"autograd": autograd_checks(rank, world_size), "toy_paths": toy_paths(rank, world_size)}

@@ -1,10 +1,18 @@
-"""Spawn a real world of N processes with gloo on 127.0.0.1 and collect each rank's result; run a module in a
-process of its own (as rank 0 of torch's fake process group) and read the JSON line it prints."""
+"""Start a real world of N processes with gloo on 127.0.0.1 and collect each rank's result; run a module in a
+process of its own (as rank 0 of torch's fake process group) and read the JSON line it prints.
+
+The ranks are forked by a fork server (``multiprocessing``'s "forkserver" start method), a fresh interpreter started
+once per test session that imports torch and ``zero`` once (``PRELOAD``): every rank is a new process, in the state
+the server was in, with the parent's ``sys.path`` and working directory, but without paying those imports again
+(about 3 s of CPU a rank on the 2 cores CI has, which made starting a world the expensive part of a check). Its
+environment is the parent's when the server started: a world that needs other variables sets them inside ``fn``.
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import socket
 import subprocess
 import sys
@@ -14,12 +22,26 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TEARDOWN_S = 10
+PRELOAD = ["torch", "torch.distributed", "zero", "tests.distributed.harness", "tests.readouts", "tests.toy"]
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the working directory of the processes started here
+
+
+def world_fixture(checks: Callable, sizes: tuple[int, ...] = (1, 2, 3), *args: Any, timeout_s: float = 600):
+    """A test module's ``world`` fixture: one real world per size in ``sizes`` (ids ``world1``, ...; ``--quick``
+    keeps ``world2``) runs ``checks(rank, world_size, *args)`` once for the module; the fixture's value is
+    ``(world_size, results by rank)``. Define it as ``world = world_fixture(checks)`` in the module."""
+
+    @pytest.fixture(scope="module", params=sizes, ids=lambda n: f"world{n}")
+    def world(request):
+        return request.param, run_world(checks, request.param, *args, timeout_s=timeout_s)
+
+    return world
 
 
 def free_port() -> int:
@@ -81,7 +103,7 @@ def run_world_outcomes(
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=False,
-            start_method="spawn",
+            start_method=_fork_server(),
         )
         deadline = time.monotonic() + timeout_s
         paths = [Path(outdir) / f"rank{r}.pt" for r in range(world_size)]
@@ -103,6 +125,12 @@ def run_world_outcomes(
             torch.load(p, weights_only=False) if p.exists() else {"exitcode": proc.exitcode}
             for p, proc in zip(paths, ctx.processes)
         ]
+
+
+def _fork_server() -> str:
+    """The start method of every world: "forkserver", its imports preloaded (set before its first use)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return "forkserver"
 
 
 def global_mean(value: torch.Tensor, world_size: int) -> float:

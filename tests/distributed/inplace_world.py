@@ -1,4 +1,4 @@
-"""In-place operations in the shared worlds (issue 33): a torchvision-style ResNet (``ReLU(inplace=True)``, the
+"""In-place operations in their world (issue 33): a torchvision-style ResNet (``ReLU(inplace=True)``, the
 residual ``out += identity``; at stage 3 each ``BasicBlock`` a unit) and blocks whose forward starts by modifying
 its input in place (stage 3's default units), at every stage, against DDP and single-process PyTorch."""
 

@@ -1,4 +1,4 @@
-"""CPU and disk offload in the shared worlds: each stage with offload against the same run without it."""
+"""CPU and disk offload in its own world (``test_offload_world.py``): each stage against the same run without it."""
 
 from __future__ import annotations
 

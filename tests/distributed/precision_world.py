@@ -1,4 +1,4 @@
-"""Mixed precision in the shared worlds: what each rank runs, and the single-process references.
+"""Mixed precision in their world (``test_precision_world.py``): what each rank runs, and the single-process references.
 
 * bf16 parity: every stage (reduce in fp32 and in bf16) against the hand-built single-process
   recipe (a bf16 copy of the model, fp32 gradients on an fp32 master stepped by AdamW, cast

@@ -1,4 +1,4 @@
-"""Memory-tracker runs for the world checks: the GPT benchmark model at every stage.
+"""Memory-tracker runs for ``test_profile.py``'s world: the GPT benchmark model at every stage.
 
 Each run trains two steps under ``zero.profile`` and returns plain numbers: the allocator's
 peak, the breakdown at the peak sample and right after the last step, the largest unexplained

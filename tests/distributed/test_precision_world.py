@@ -13,17 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.precision_world import STAGES
+from tests.distributed.harness import world_fixture
+from tests.distributed.precision_world import STAGES, precision_checks
 from tests.toy import FreshTensors
 from zero.estimator.estimator import model_states
+
+precision = world_fixture(precision_checks)  # (world_size, each rank's precision_checks)
 
 REDUCE = (None, "bf16")
 
 
-@pytest.fixture(scope="module")
-def precision(world):
-    world_size, results = world
-    return world_size, [r["precision"] for r in results]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.profile_world import MICRO_BATCHES, STAGES
+from tests.distributed.harness import world_fixture
+from tests.distributed.profile_world import MICRO_BATCHES, STAGES, profile_checks
 from zero import zero_model_state_bytes
+
+world = world_fixture(profile_checks)
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 
 
 def _runs(results, every_op):
     for rank, r in enumerate(results):
-        for (stage, micro, op), run in r["profile"]["runs"].items():
+        for (stage, micro, op), run in r["runs"].items():
             if op == every_op:
-                yield rank, stage, micro, run, r["profile"]
+                yield rank, stage, micro, run, r
 
 
 def test_categories_reconcile_with_the_allocator_at_every_sample(world):

@@ -1,7 +1,7 @@
-"""What each rank runs in the multi-process tests; also the single-process reference.
+"""The parity world (``test_parity_world.py``): what each rank runs, and the single-process reference.
 
-One world per world size runs every check (spawning is the expensive part) and
-returns plain data; the tests compare it with the reference.
+Its model (``ParityNet``), optimizers and training loop (``train``) are also what the other worlds build on.
+One world per world size runs every check and returns plain data; the tests compare it with the reference.
 """
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.distributed.activations_world import activation_checks
-from tests.distributed.autograd_world import autograd_checks
 from tests.distributed.harness import global_mean
-from tests.distributed.inplace_world import inplace_checks
-from tests.distributed.offload_world import offload_checks
-from tests.distributed.precision_world import precision_checks
-from tests.distributed.profile_world import profile_checks
 from tests.readouts import flat_params, max_diff, settled_live_bytes
-from tests.toy import CheckpointedNet, batch, tiny_hf
-from zero import ZeroOptimizer, init_sharded
+from zero import ZeroOptimizer
 from zero.memory import live_tensor_bytes, storage_bytes
-from zero.models import GPT, GPTConfig, init_gpt_weights, local_slice, synthetic_batch
+from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
@@ -181,30 +174,6 @@ def _torch_clip(model: nn.Module):
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def stage3_traffic(rank: int, world_size: int, reshard_after_forward: bool) -> dict:
-    """One stage-3 step's comm counters, with or without regathering for backward."""
-    model = build_model()
-    opt = ZeroOptimizer(
-        make_optimizer("adamw", model), model, stage=3, reshard_after_forward=reshard_after_forward
-    )
-    for step in range(2):
-        x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
-        model(local_slice(x, rank, world_size), local_slice(y, rank, world_size), True).backward()
-        opt.step()
-        opt.zero_grad()
-    unit_numel, unit_buckets = {}, {}  # each unit's buckets: its trainable one, and a frozen one (the root)
-    for b in opt.buckets:
-        unit_numel[b.unit.name] = unit_numel.get(b.unit.name, 0) + b.layout.padded_numel
-        unit_buckets[b.unit.name] = unit_buckets.get(b.unit.name, 0) + 1
-    return {
-        "comm_stats": opt.comm_stats,
-        "padded_numel": opt.partition.padded_numel,
-        "gathered_numel": sum(b.layout.padded_numel for b in opt.buckets),
-        "unit_numel": unit_numel,
-        "unit_buckets": unit_buckets,
-    }
-
-
 def memory_after_step(rank: int, world_size: int, stage: int) -> dict:
     """Live CPU tensor bytes after one AdamW step, against what the optimizer says it holds."""
     gc.collect()
@@ -257,110 +226,9 @@ def resume_matches(rank: int, world_size: int, stage: int) -> float:
     return max_diff(flat_params(model, opt), flat_params(model2, opt2))
 
 
-def hf_parity(rank: int, world_size: int, stage: int, family: str) -> dict | None:
-    """Hugging Face GPT-2 or Llama (random weights, built from a config): ||params - single process||_2
-    for ZeroOptimizer and for DDP (the noise floor), after a few AdamW steps."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return None
-
-    def run(mode: str) -> torch.Tensor:
-        model = tiny_hf(family, seed=0).eval()  # eval: dropout off, so ranks and reference agree
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        forward = model
-        if mode == "ddp":
-            forward = DistributedDataParallel(model)
-        elif mode == "zero":
-            opt = ZeroOptimizer(opt, model, stage=stage, bucket_size_mb=BUCKET_MB)
-        for step in range(4):
-            x, _ = synthetic_batch(step, GLOBAL_BATCH, CFG)
-            if mode != "reference":
-                x = local_slice(x, rank, world_size)
-            forward(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return flat_params(model, opt)
-
-    ref = run("reference")
-    return {mode: float((run(mode) - ref).norm()) for mode in ("zero", "ddp")}
-
-
-def meta_init_matches(rank: int, world_size: int) -> float:
-    """Max |difference| between a GPT built normally and one built on meta + init_sharded (same seed)."""
-    torch.manual_seed(1234)
-    normal = flat_params(GPT(CFG))
-    torch.manual_seed(1234)
-    model, opt = init_sharded(
-        lambda: GPT(CFG), lambda m: torch.optim.AdamW(m.parameters()), init_fn=init_gpt_weights
-    )
-    return max_diff(flat_params(model, opt), normal)
-
-
-def inference_matches(rank: int, world_size: int) -> dict:
-    """Stage-3 eval forward under no_grad vs the same model unsharded; and nothing stays gathered."""
-    model = build_model().eval()
-    x, y = synthetic_batch(0, GLOBAL_BATCH, CFG)
-    with torch.no_grad():
-        expected = model(x, y, True)
-    opt = ZeroOptimizer(make_optimizer("adamw", model), model, stage=3)
-    with torch.no_grad():
-        got = model(x, y, True)
-    gathered = sum(b.param_buffer.is_allocated for b in opt.buckets)
-    return {"max_diff": max_diff(got, expected), "gathered_after": gathered}
-
-
-def compiled_stage3_matches(rank: int, world_size: int) -> float:
-    """Max |difference| between stage 3 under ``torch.compile(model)`` and stage 3 eager (3 SGD steps)."""
-
-    def run(compiled: bool) -> torch.Tensor:
-        torch._dynamo.reset()
-        model = build_model()
-        opt = ZeroOptimizer(make_optimizer("sgd", model), model, stage=3)
-        forward = torch.compile(model, backend="aot_eager") if compiled else model
-        for step in range(3):
-            x, y = synthetic_batch(step, GLOBAL_BATCH, CFG)
-            forward(local_slice(x, rank, world_size), local_slice(y, rank, world_size), step % 2 == 1).backward()
-            opt.step()
-            opt.zero_grad()
-        return flat_params(model, opt)
-
-    return max_diff(run(True), run(False))
-
-
-def toy_paths(rank: int, world_size: int) -> dict:
-    """Max |difference| from single-process PyTorch, per (case, stage), on the small ``CheckpointedNet``:
-    "reentrant" (blocks under reentrant activation checkpointing) and "interrupted" (an error in the
-    middle of a backward pass on step 1, then ``zero_grad()`` and the step again)."""
-
-    def run(case: str, stage: int | None) -> torch.Tensor:
-        model = CheckpointedNet(reentrant=case == "reentrant")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-        if stage is not None:
-            opt = ZeroOptimizer(opt, model, stage=stage, bucket_size_mb=1e-4)  # a bucket per parameter
-        for step in range(4):
-            x = batch(step) if stage is None else local_slice(batch(step), rank, world_size)
-            if case == "interrupted" and step == 1:
-                try:
-                    model(x, boom=True).backward()
-                except RuntimeError:
-                    opt.zero_grad()
-            model(x, step % 2 == 1).backward()
-            opt.step()
-            opt.zero_grad()
-        return flat_params(model, opt)
-
-    out = {}
-    for case in ("reentrant", "interrupted"):
-        ref = run(case, None)
-        for stage in STAGES:
-            out[(case, stage)] = max_diff(run(case, stage), ref)
-    return out
-
-
-def world_checks(rank: int, world_size: int) -> dict:
-    """Everything one world runs: parity runs (DDP and each stage), memory, resume, Hugging Face models,
-    stage 3's traffic, meta initialization and inference, and the memory tracker's runs."""
+def parity_checks(rank: int, world_size: int) -> dict:
+    """Everything the parity world runs: each scenario single-process (rank 0), under DDP and at each stage; the
+    memory after a step and resuming from a state dict at each stage."""
     runs = {}
     for kind, scenario in SCENARIOS:
         if rank == 0:  # in the same process as the runs it is compared with (same threads, same kernels)
@@ -371,17 +239,4 @@ def world_checks(rank: int, world_size: int) -> dict:
         "runs": runs,
         "memory": {stage: memory_after_step(rank, world_size, stage) for stage in STAGES},
         "resume": {stage: resume_matches(rank, world_size, stage) for stage in STAGES},
-        "gpt2": hf_parity(rank, world_size, 3, "gpt2"),
-        "llama": hf_parity(rank, world_size, 3, "llama"),
-        "traffic3": {keep: stage3_traffic(rank, world_size, keep) for keep in (True, False)},
-        "meta_init": meta_init_matches(rank, world_size),
-        "inference": inference_matches(rank, world_size),
-        "compiled3": compiled_stage3_matches(rank, world_size),
-        "toy_paths": toy_paths(rank, world_size),
-        "profile": profile_checks(rank, world_size),
-        "precision": precision_checks(rank, world_size),
-        "offload": offload_checks(rank, world_size),
-        "activations": activation_checks(rank, world_size),
-        "inplace": inplace_checks(rank, world_size),
-        "autograd": autograd_checks(rank, world_size),
     }

@@ -1,7 +1,8 @@
 """Stages 0-3 at world sizes 1, 2 and 3 against single-process PyTorch, in real gloo worlds.
 
-One world per world size runs every training run and check (see ``worlds.world_checks``);
-the tests below only compare what it returned.
+One world per world size runs every training run and check (``worlds.parity_checks``); the tests below only compare
+what it returned: each scenario's losses, parameters and clip norms, the traffic of stages 0-2, the model state
+after a step and resuming from a state dict.
 
 Tolerances: losses 1e-5 relative; SGD parameters 1e-5 absolute; clip norms 1e-6 relative
 on the same gradients. Adam-family parameters are held to twice the deviation that DDP
@@ -17,13 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, build_model
+from tests.distributed.harness import world_fixture
+from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, build_model, parity_checks
 from tests.readouts import flat_params, max_diff
 from zero import zero_model_state_bytes
 
 LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
 NORM_RTOL = 1e-6
+
+world = world_fixture(parity_checks)
 
 
 @pytest.mark.parametrize("kind,scenario", SCENARIOS, ids=lambda x: x)
@@ -86,32 +90,6 @@ def test_traffic_per_step_is_two_psi(world):
             assert stage0["comm_stats"]["all_reduce"]["numel"] == expected
 
 
-def test_stage3_traffic_is_three_psi_or_two_when_kept_for_backward(world):
-    """Stage 3 gathers every unit for forward and again for backward (3Ψ with the reduce-scatter),
-    except the two that backward needs as soon as forward ends, which stay gathered: the root
-    unit and the unit that ran last (ParityNet's ``twice``, called twice in a row, gathered once).
-    With reshard_after_forward=False every unit is gathered once (2Ψ). The frozen parameter is
-    sharded too (a frozen bucket of the root unit): gathered with its unit, never reduced."""
-    world_size, results = world
-    for rank_result in results:
-        for reshard in (True, False):
-            run = rank_result["traffic3"][reshard]
-            stats, padded, units = run["comm_stats"], run["padded_numel"], run["unit_numel"]
-            gathered, buckets = run["gathered_numel"], run["unit_buckets"]
-            assert buckets[""] == 2 and gathered > padded  # the root's trainable and frozen buckets
-            if world_size == 1:
-                assert "all_gather" not in stats and "reduce_scatter" not in stats
-                continue
-            assert stats["reduce_scatter"]["numel"] == padded
-            assert stats["reduce_scatter"]["calls"] == len(units)
-            if reshard:
-                assert stats["all_gather"]["numel"] == 2 * gathered - units[""] - units["twice.0"]
-                assert stats["all_gather"]["calls"] == 2 * sum(buckets.values()) - buckets[""] - buckets["twice.0"]
-            else:
-                assert stats["all_gather"]["numel"] == gathered
-                assert stats["all_gather"]["calls"] == sum(buckets.values())
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_state_memory_matches_zero_formula(world, stage):
     world_size, results = world
@@ -146,41 +124,3 @@ def test_resume_from_state_dict_is_bit_exact(world, stage):
     _, results = world
     for r in results:
         assert r["resume"][stage] == 0.0
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_hugging_face_models_train_at_stage3_like_single_process(world, family):
-    pytest.importorskip("transformers")
-    _, results = world
-    for r in results:
-        assert r[family] is not None, "transformers is installed but the world could not import it"
-        assert r[family]["zero"] <= 2 * r[family]["ddp"]
-
-
-def test_meta_built_model_gets_the_weights_of_a_normal_build(world):
-    _, results = world
-    for r in results:
-        assert r["meta_init"] == 0.0
-
-
-def test_stage3_inference_under_no_grad(world):
-    _, results = world
-    for r in results:
-        assert r["inference"]["max_diff"] == 0.0
-        assert r["inference"]["gathered_after"] == 0  # nothing stays gathered after a no_grad forward
-
-
-def test_stage3_under_torch_compile_trains_like_eager(world):
-    """``torch.compile(model)`` at stage 3: the gathering hooks run eagerly, the units compile."""
-    _, results = world
-    for r in results:
-        assert r["compiled3"] <= 1e-6
-
-
-def test_checkpointing_and_an_interrupted_backward_train_like_single_process(world):
-    """Reentrant activation checkpointing (a backward nested in the pass), and an error in the middle
-    of a backward pass followed by zero_grad() and a retry (its collectives drained first)."""
-    _, results = world
-    for r in results:
-        for (case, stage), diff in r["toy_paths"].items():
-            assert diff <= 1e-6, (case, stage, diff)
