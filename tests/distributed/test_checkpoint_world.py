@@ -6,7 +6,7 @@ steps: each must equal the run
 that went on without saving. At N=3 it is the same arithmetic, so the numbers are bit-identical.
 At N=2 and N=1 the gradients are summed over other partitions of the batch, so they differ by
 rounding; losses are held to the suite's fp32 tolerance (1e-5 relative), and parameters to the
-noise that Adam makes of that rounding (see ``test_world.py``'s docstring): relative L2 norm 1e-4.
+noise that Adam makes of that rounding (see ``test_parity_world.py``'s docstring): relative L2 norm 1e-4.
 
 Several optimizers and whole-parameter ones (Muon + AdamW, Adafactor, SOAP), at the end: saved at N=2, resumed per
 rank at N=2 and through the portable checkpoint at N=1, 2 and 3, at other stages: bit for bit.

@@ -3,7 +3,7 @@ out as 2 shard groups of 2, and ZeRO++'s quantized codecs on top of it (see ``hi
 runs).
 
 Exact: stages 1-3 with ``shard_size=2`` train to the single-process reference's numbers with the tolerances of
-``test_world.py`` (losses 1e-5 relative, SGD parameters 1e-5 absolute, Adam within twice DDP's own distance), on
+``test_parity_world.py`` (losses 1e-5 relative, SGD parameters 1e-5 absolute, Adam within twice DDP's own distance), on
 every rank alike. The layout is the device mesh's (groups of consecutive ranks); each rank holds 1/shard_size of the
 model; parameters are never gathered across groups, and each reduce-scatter's shard is all-reduced across them. A
 checkpoint saved by the hierarchical run is a 2-rank world's, and a flat 4-rank stage-2 run resumes from it exactly.

@@ -3,7 +3,7 @@ same Trainer / Accelerate loop with DDP (``integrations_world``): GPT-2 from a c
 groups, a linear or step LR schedule, clipping at 0.5 and 2 accumulation micro-batches per step. And both at
 stage 3 with hierarchical sharding (HSDP and ZeRO++'s hpZ), 4 ranks in 2 groups of 2, against DDP at 4 ranks.
 
-Tolerances as in ``test_world.py``: losses 1e-5 relative, gradient norms 1e-6 relative (the same gradients,
+Tolerances as in ``test_parity_world.py``: losses 1e-5 relative, gradient norms 1e-6 relative (the same gradients,
 summed in another order).
 """
 
