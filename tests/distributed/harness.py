@@ -28,7 +28,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TEARDOWN_S = 10
-PRELOAD = ["torch", "torch.distributed", "zero", "tests.distributed.harness", "tests.readouts", "tests.toy"]
+PRELOAD = [  # what the fork server imports once (a module that is not installed is skipped)
+    "torch", "torch.distributed", "zero", "tests.distributed.harness", "tests.readouts", "tests.toy",
+    "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "transformers.trainer",
+    "peft",  # the Hugging Face worlds' imports (stage 3, LoRA, the integrations): about 4 s of CPU a rank
+]
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the working directory of the processes started here
 
 

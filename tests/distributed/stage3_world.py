@@ -117,5 +117,7 @@ def stage3_checks(rank: int, world_size: int) -> dict:
         "llama": hf_parity(rank, world_size, 3, "llama"),
         "meta_init": meta_init_matches(rank, world_size),
         "inference": inference_matches(rank, world_size),
-        "compiled3": compiled_stage3_matches(rank, world_size),
+        # compiling is most of this world's time: at 2 ranks only (the gathers are real; at 1 rank see
+        # tests/unit/test_user_paths.py, and 3 ranks' uneven shards change nothing the compiled units see)
+        "compiled3": compiled_stage3_matches(rank, world_size) if world_size == 2 else None,
     }

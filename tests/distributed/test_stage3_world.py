@@ -60,7 +60,10 @@ def test_stage3_inference_under_no_grad(world):
 
 
 def test_stage3_under_torch_compile_trains_like_eager(world):
-    """``torch.compile(model)`` at stage 3: the gathering hooks run eagerly, the units compile."""
-    _, results = world
+    """``torch.compile(model)`` at stage 3: the gathering hooks run eagerly, the units compile (at 2 ranks: see
+    ``stage3_world.stage3_checks``)."""
+    world_size, results = world
+    if world_size != 2:
+        pytest.skip("compiled at 2 ranks")
     for r in results:
         assert r["compiled3"] <= 1e-6
