@@ -66,7 +66,7 @@ from zero.runtime.parallel.ties import NoTie, Tie
 from zero.runtime.reduction.agreement import RoundFlags
 from zero.runtime.reduction.reduction_order import ReductionOrder
 from zero.runtime.reduction.user_edits import apply_user_edit
-from zero.runtime.stages.stage0 import Stage0
+from zero.runtime.stages.stage import Stage
 from zero.runtime.step.loss_scaler import LossScaler, NoLossScaling
 from zero.weak import weak_hook
 
@@ -91,7 +91,7 @@ class GradReducer:
     def __init__(
         self,
         buckets: list[Bucket],
-        stage: Stage0, comm: Communicator, max_in_flight: int,
+        stage: Stage, comm: Communicator, max_in_flight: int,
         gatherer: ParamGatherer | NoGatherer,
         check: Callable[[], None], steps: Callable[[], int],
         scaler: LossScaler | NoLossScaling,

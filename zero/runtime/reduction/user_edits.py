@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from zero.runtime.buffers.bucket import Bucket, ParamSlot
-from zero.runtime.stages.stage0 import Stage0
+from zero.runtime.stages.stage import Stage
 
 
-def apply_user_edit(stage: Stage0, bucket: Bucket, slot: ParamSlot, reduced: bool) -> None:
+def apply_user_edit(stage: Stage, bucket: Bucket, slot: ParamSlot, reduced: bool) -> None:
     """Apply what was done to ``slot``'s ``p.grad``; ``reduced``: the gradients are reduced (not local ones of
     ``no_sync()`` passes)."""
     grad = slot.grad
