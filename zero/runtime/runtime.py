@@ -152,11 +152,16 @@ class Runtime:
                 bucket.make_master_grads(inv_scale)
             self.placements.wait()  # offload: the gradients copied down have landed
             self.grads_prepared = True
-        return [p.slot.bucket.grad_piece(p) for p in self.pieces_in_model_order if p.slot.used_anywhere]
+        return [p.slot.bucket.grad_piece(p) for p in self.used_pieces_in_model_order]
 
     @cached_property
     def pieces_in_model_order(self) -> list[LocalPiece]:
         return sorted((p for b in self.buckets for p in b.pieces), key=lambda p: (p.slot.order, p.piece.param_start))
+
+    @property
+    def used_pieces_in_model_order(self) -> list[LocalPiece]:
+        """The pieces of parameters that have a gradient, in model order (the optimizer's gradients, the norm)."""
+        return [p for p in self.pieces_in_model_order if p.slot.used_anywhere]
 
     def release_master_grads(self) -> None:
         for bucket in self.buckets:
@@ -172,9 +177,9 @@ class Runtime:
         norm_type = float(norm_type)
         norms = {}  # per piece, one bucket at a time (on disk, each bucket's gradients are paged in for it)
         for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
-            pieces = self.used_pieces(bucket)
+            pieces = bucket.used_pieces
             norms.update(zip(map(id, pieces), tensor_norms([bucket.grad_piece(p) for p in pieces], norm_type)))
-        used = [p for p in self.pieces_in_model_order if p.slot.used_anywhere]
+        used = self.used_pieces_in_model_order
         if self.tensor_parallel.size == 1 and self.pipeline.size == 1:
             total = total_norm([norms[id(p)] for p in used], norm_type, self.comm.device)  # offload: on the host
             total = self._norm_over_dp(total, norm_type)
@@ -190,7 +195,7 @@ class Runtime:
             raise RuntimeError(f"zero: the total gradient norm (order {norm_type}) is {total.item()}")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for bucket in self.paging.walk(self.trainable_buckets, grads_only=True):
-            scale_([bucket.grad_piece(p) for p in self.used_pieces(bucket)], coef)
+            scale_([bucket.grad_piece(p) for p in bucket.used_pieces], coef)
         return total
 
     def _norm_over_dp(self, norm: torch.Tensor, norm_type: float, partial: bool = False) -> torch.Tensor:
@@ -208,11 +213,6 @@ class Runtime:
         if reduced:
             self.comm.all_reduce(powered, what=what).wait()
         return powered if partial else powered.pow(1.0 / norm_type).to(torch.float32)
-
-    @staticmethod
-    def used_pieces(bucket: Bucket) -> list[LocalPiece]:
-        """The bucket's pieces of parameters that have a gradient (the optimizer's, in the bucket's order)."""
-        return [p for p in bucket.pieces if p.slot.used_anywhere]
 
     # ----- the step ------------------------------------------------------------------------------------------
 

@@ -187,6 +187,12 @@ class Bucket:
                 slot.view.copy_(tensor.data)
                 tensor.data = slot.view
 
+    @property
+    def used_pieces(self) -> list[LocalPiece]:
+        """The pieces of parameters that have a gradient (``used_anywhere``: on some rank, as of the last
+        reduction), in the bucket's order: what clipping and the step read."""
+        return [p for p in self.pieces if p.slot.used_anywhere]
+
     def build_pieces(self) -> None:
         """Create the inner optimizer's tensors: views of the master chunk (none in a frozen bucket)."""
         if not self.trainable:

@@ -61,7 +61,7 @@ class DelayedStep:
         keyword arguments given to ``step()``)."""
         assert self._pending is None, "finish() the previous step first"
         grads = [b.step_grads.clone() for b in buckets]
-        used = [[p for p in b.pieces if p.slot.used_anywhere] for b in buckets]  # as of now, not of the next pass
+        used = [b.used_pieces for b in buckets]  # as of now, not of the next pass
         frozen = copy.copy(self.optimizer)  # same state; groups copied with their hyperparameters of now
         frozen.param_groups = [dict(group) for group in self.optimizer.param_groups]
         self._pending = self._executor.submit(self._run, frozen, buckets, grads, used, dict(step_kwargs))

@@ -97,7 +97,7 @@ class BucketStepper:
             return
         self.flat.forget_counts(bucket)  # (the torch step advances the counts the Triton step keeps)
         for inner in self.inners:
-            pieces = [p for p in bucket.pieces if p.slot.used_anywhere and p.slot.group_index in inner.groups]
+            pieces = [p for p in bucket.used_pieces if p.slot.group_index in inner.groups]
             if pieces:
                 self.update_master(bucket, inner.optimizer, pieces=pieces, step_kwargs=step_kwargs)
         bucket.push_master()
@@ -115,7 +115,7 @@ class BucketStepper:
         ``pieces`` (default: those of parameters with a gradient), with the optimizer's gradients, or the pieces of
         ``grads`` (a chunk-sized tensor) if given."""
         if pieces is None:
-            pieces = [p for p in bucket.pieces if p.slot.used_anywhere]
+            pieces = bucket.used_pieces
         for piece in pieces:
             piece.tensor.grad = (
                 bucket.grad_piece(piece) if grads is None
