@@ -1,6 +1,6 @@
 """Activation checkpointing by policy (``zero.activations``) at world size 1: exact with dropout at every
 stage, really recomputing, the policies choosing the blocks they say, and clear errors for bad input
-(two ranks: ``tests/distributed/worlds.py``)."""
+(two ranks: ``tests/distributed/activations_world.py``)."""
 
 from __future__ import annotations
 
