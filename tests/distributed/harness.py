@@ -6,15 +6,11 @@ once per test session that imports torch and ``zero`` once (``PRELOAD``): every 
 the server was in, with the parent's ``sys.path`` and working directory, but without paying those imports again
 (about 3 s of CPU a rank on the 2 cores CI has, which made starting a world the expensive part of a check). Its
 environment is the parent's when the server started: a world that needs other variables sets them inside ``fn``.
-While ``fn`` runs, what the rank held before it (the imports) is frozen out of the garbage collector's walks: every
-memory check (``zero.memory.live_tensors``) walks the live objects, and compares what it finds with what it found
-before, so it reads the same bytes, in a fraction of the time.
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import multiprocessing
 import socket
@@ -67,12 +63,10 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, arg
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
     )
-    gc.freeze()  # the imports out of every collection and gc.get_objects() walk (the memory checks walk often)
     try:
         result: Any = {"ok": fn(rank, world_size, *args)}
     except BaseException:
         result = {"error": traceback.format_exc()}
-    gc.unfreeze()  # (at exit, objects still frozen are never freed, and some bindings report them as leaked)
     path = Path(outdir) / f"rank{rank}.pt"
     torch.save(result, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)  # atomic: the parent reads only complete results
