@@ -119,21 +119,20 @@ class Tie:
 
     def _all_reduce(self, grad: torch.Tensor) -> None:
         self.pp.all_reduce(grad, what=f"all-reduce over the pipeline of the gradient of tied {self.names}").wait()
-        self.summed = True
 
     def sum_local(self, bucket: Bucket, grads: torch.Tensor) -> None:
         """As the bucket goes to its dp reduction: this rank's local gradient of the tie (in ``grads``, the bucket's
         collected gradients) made the sum over its holders."""
         if self.slot is not None and self.slot.bucket is bucket:
             self._all_reduce(bucket.staging_view(self.slot).view(-1))
+            self.summed = True
 
     def take_part(self) -> None:
         """After this rank's reduction of the step: a rank that holds no copy adds zeros to the holders' sum."""
-        if self.summed:
-            self.summed = False
+        summed, self.summed = self.summed, False
+        if summed:
             return
         self._all_reduce(torch.zeros(self.numel, dtype=self.dtype, device=self.pp.device))
-        self.summed = False
         if self.slot is not None:
             raise ValueError(f"the weight tied across pipeline parts {self.names} got no gradient on this rank in "
                              "this step, so its copies would step apart; every part holding it must use it")
