@@ -46,7 +46,7 @@ from zero.runtime.precision.parameters import (
 )
 from zero.runtime.reduction.reducer import GradReducer
 from zero.runtime.runtime import Runtime
-from zero.runtime.stages import Stage, Stage3, make_stage
+from zero.runtime.stages import Stage, make_stage
 from zero.runtime.step.delayed import DelayedStep
 from zero.runtime.step.host_threads import HostThreads, host_step_threads, warn_unfused_host_step
 from zero.runtime.step.inner import (
@@ -243,7 +243,7 @@ def _build_partition(
     param_bytes = DTYPES[precision.param_dtype].itemsize if precision.enabled else 4
     check_host_memory(offload, int(-(-trainable // num_shards) * offload.ratio), param_bytes)
     full = _full_precision(model, config)
-    plan = _unit_planner(model, config) if isinstance(stage, Stage3) else None
+    plan = _unit_planner(model, config) if stage.sharded_params else None
     return build_partition(
         optimizer,
         model,
@@ -266,7 +266,7 @@ def _unit_planner(model: torch.nn.Module, config: ZeroConfig) -> Callable[[list[
 def _gatherer(
     partition: Partition, stage: Stage, comm: Communicator, config: ZeroConfig, secondary: Communicator | None
 ) -> ParamGatherer | NoGatherer:
-    if not isinstance(stage, Stage3):
+    if not stage.sharded_params:
         return NoGatherer()
     return ParamGatherer(
         partition.units,
@@ -316,7 +316,7 @@ def _replace_meta_parameters(
         if init_fn is not None:
             raise ValueError("init_fn is used only to initialize a model built on the meta device")
         return set()
-    if not isinstance(stage, Stage3):
+    if not stage.sharded_params:
         raise ValueError(
             f"the model has parameters on the meta device; only stage 3 materializes them shard by shard "
             f"(got stage {stage.number}). Use stage=3, or build the model on a real device."

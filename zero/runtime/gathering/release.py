@@ -26,12 +26,13 @@ from zero.comm.communicator import Communicator
 from zero.runtime.buffers.bucket import Bucket
 from zero.runtime.buffers.placement import HOST
 from zero.runtime.buffers.sharded_param import unmanaged_class
+from zero.runtime.stages.stage import Stage
 
 
 class ModelRelease:
     """What one optimizer must undo on the model: its hooks and (stage 3) the sharding of its parameters."""
 
-    def __init__(self, hooks: list[Any], buckets: list[Bucket], stage: Any, comm: Communicator, *, sharded: bool):
+    def __init__(self, hooks: list[Any], buckets: list[Bucket], stage: Stage, comm: Communicator, *, sharded: bool):
         self.hooks = hooks  # RemovableHandles
         self.buckets = buckets
         self.sharded = buckets if sharded else []  # stage 3's buckets (trainable and frozen) are sharded
@@ -45,9 +46,7 @@ class ModelRelease:
             return
         self.remove_hooks()
         for bucket in self.buckets:
-            for slot in bucket.slots:
-                if slot.grad_guard is not None and slot.grad is slot.grad_guard:
-                    slot.grad = None  # (stages 1-3: no rank holds the whole gradient)
+            self.stage.drop_guards(bucket)
         self.unshard_all()
 
     def dropped(self) -> None:

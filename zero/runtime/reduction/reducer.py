@@ -224,12 +224,8 @@ class GradReducer:
             for slot in bucket.slots:
                 if reduced:  # the reduced gradients are in the stage's buffers now, whatever p.grad held
                     slot.grad = self.stage.published_grad(bucket, slot) if slot.used_anywhere else None
-                elif slot.used_anywhere and slot.grad_guard is not None:
-                    # a reduced gradient plus this pass's local one: p.grad could show only the local part,
-                    # so it goes behind the guard like the rest (stage.before_pass brings it back)
-                    slot.local_grad, slot.grad = slot.grad, self.stage.published_grad(bucket, slot)
-                elif slot.used_anywhere and slot.grad is None:
-                    slot.grad = self.stage.published_grad(bucket, slot)
+                elif slot.used_anywhere:  # a reduced gradient plus this pass's local one, not reduced
+                    self.stage.publish_unreduced(bucket, slot)
 
     def accumulate_written(self, params: list[torch.Tensor]) -> None:
         """Under ``no_sync()``: gradients written into ``p.grad`` by hand, which no hook saw (torch's pipelining's

@@ -165,6 +165,15 @@ class WholeGradients:
     def published_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
         return bucket.grads.view(slot)
 
+    def publish_unreduced(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """A pass that was not reduced added its local gradient to the averaged one in place: ``p.grad`` shows the
+        sum (the view), also where user code had cleared it."""
+        if slot.grad is None:
+            slot.grad = self.published_grad(bucket, slot)
+
+    def drop_guards(self, bucket: Bucket) -> None:
+        """Nothing: ``p.grad`` is the whole gradient, which the parameter keeps."""
+
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """``p.grad`` was set after the reduction (``p.grad = p.grad * 2``): copy it in."""
         self.local.stage_grad(bucket, slot)
@@ -220,6 +229,19 @@ class GuardedGradients:
     def published_grad(self, bucket: Bucket, slot: ParamSlot) -> torch.Tensor:
         slot.grad_guard.take_zeroed()  # a new reduction: a zero_() before it is moot
         return slot.grad_guard
+
+    def publish_unreduced(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """A reduced gradient plus a pass's local one that was not reduced: ``p.grad`` could show only the local part,
+        so it goes behind the guard like the rest (:meth:`before_pass` brings it back)."""
+        slot.local_grad, slot.grad = slot.grad, self.published_grad(bucket, slot)
+
+    @staticmethod
+    def drop_guards(bucket: Bucket) -> None:
+        """The optimizer lets go of the model: a guard in ``p.grad`` becomes ``None`` (no rank holds the whole
+        gradient)."""
+        for slot in bucket.slots:
+            if slot.grad is slot.grad_guard:
+                slot.grad = None
 
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """Only the guard may be there: p.grad cannot carry a sharded gradient."""

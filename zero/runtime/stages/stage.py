@@ -107,6 +107,14 @@ class Stage:
         """What ``p.grad`` shows after a reduction: the whole averaged gradient, or a guard."""
         return self.gradients.published_grad(bucket, slot)
 
+    def publish_unreduced(self, bucket: Bucket, slot: ParamSlot) -> None:
+        """A pass added local gradients on top of reduced ones without a reduction: what ``p.grad`` shows then."""
+        self.gradients.publish_unreduced(bucket, slot)
+
+    def drop_guards(self, bucket: Bucket) -> None:
+        """The optimizer lets go of the model: no ``p.grad`` is left a guard."""
+        self.gradients.drop_guards(bucket)
+
     def adopt_grad(self, bucket: Bucket, slot: ParamSlot) -> None:
         """``p.grad`` was set after the reduction: copy it in, or refuse."""
         self.gradients.adopt_grad(bucket, slot)
