@@ -82,6 +82,26 @@ def test_names_that_name_no_parameter_are_refused():
     assert same.peak == estimate(_workload(), stage=1, **SETTINGS).peak  # (stages 0-1 launch from their own buckets)
 
 
+def test_the_command_line_prices_the_same_bound(tmp_path, capsys):
+    """``zero estimate --maybe-unused``: each configuration it lists is :func:`estimate` with ``maybe_unused`` (the
+    stage-2 row is the bound above the default), and a name that names nothing is a one-line error."""
+    from zero.cli.main import main
+
+    config, out = tmp_path / "zero.json", tmp_path / "plan.json"
+    config.write_text(json.dumps({"bucket_size_mb": SETTINGS["bucket_size_mb"]}))
+    argv = ["estimate", "--gpu-memory", "24", "--world-size", str(WORLD), "--micro-batch", str(MICRO), "--model",
+            "tests.unit.test_estimator_unused:_workload", "--config", str(config), "--json", str(out)]
+    assert main([*argv, "--maybe-unused", "experts.0"]) == 0
+    rows = {(e["stage"], e["offload"], e["checkpointing"]): e["peak"] for e in json.loads(out.read_text())["fits"]}
+    bound = estimate(_workload(), stage=2, maybe_unused=["experts.0"], **SETTINGS).peak
+    assert rows[2, False, False] == bound > estimate(_workload(), stage=2, **SETTINGS).peak
+    capsys.readouterr()
+    assert main([*argv, "--maybe-unused", "expert"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zero estimate: maybe_unused names no parameter with a gradient in the traced step: "
+                          "'expert'") and err.count("\n") == 1, err
+
+
 def _measure(stage: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

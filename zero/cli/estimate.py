@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sync-accumulation", action="store_true",
                         help="gradient accumulation with opt.no_sync() (the Hugging Face Trainer's and Accelerate's "
                         "way): gradients stay whole until the last micro-batch, at stages 2-3 too")
+    parser.add_argument("--maybe-unused", nargs="+", default=[], metavar="NAME",
+                        help="parameters that may get no gradient in a step (mixture-of-experts experts that may "
+                        "receive no token), by name or module prefix: the estimate prices the worse of the step with "
+                        "and without their gradients (default: every trainable parameter gets one)")
     parser.add_argument("--show", type=whole_number(*SHOWN), default=8,
                         help=f"how many fitting and how many rejected configurations to list, "
                         f"{whole_number_range(*SHOWN)} (default 8)")
@@ -161,7 +165,8 @@ def _plan_and_print(args: argparse.Namespace) -> int:
     print(f"  {format_count(numel)} trainable parameters ({time.perf_counter() - start:.1f}s)", flush=True)
     progress = lambda what: print(f"  tracing {what} ({time.perf_counter() - start:.1f}s)", flush=True)  # noqa: E731
     result = plan(work, base, gpu_memory=args.gpu_memory, world_size=args.world_size, micro_batches=args.micro_batch,
-                  no_sync=args.no_sync_accumulation, progress=progress, host_memory=args.host_memory)
+                  no_sync=args.no_sync_accumulation, progress=progress, host_memory=args.host_memory,
+                  maybe_unused=args.maybe_unused)
     budget = HEADROOM * args.gpu_memory
     host = "" if args.host_memory is None else f", host budget {format_bytes(args.host_memory)}"
     policy = base.communication
