@@ -1,9 +1,9 @@
 """The estimator against ``zero.profile`` on the same configuration: rank 0 of a world of N in torch's fake
 process group (collectives return at once; every byte rank 0 holds is real).
 
-Run in its own process (``python -m tests.distributed.estimate_world N [FILTER]``): it initializes the default
-process group. Prints one JSON line: for each model, stage and micro-batch, the measured peak (the
-allocator's, less what the process held before) and the estimate, with both breakdowns.
+Run in its own process (``python -m tests.distributed.estimate_world N [K/P [FILTER]]``: part K of P of the
+cases): it initializes the default process group. Prints one JSON line: for each model, stage and micro-batch, the
+measured peak (the allocator's, less what the process held before) and the estimate, with both breakdowns.
 
 ``python -m tests.distributed.estimate_world optimizers N RANK`` is rank RANK of a world of N instead (the fake
 process group runs any rank), training with optimizers stepped on whole parameters (issue 42): Muon on the blocks'
@@ -206,9 +206,9 @@ def stages(variant: dict) -> tuple[int, ...]:
     return stages_for(validated(variant.get("communication")), STAGES)
 
 
-def main(world_size: int, only: str = "") -> None:
-    init_fake_world(world_size)
-    out = {}
+def jobs(world_size: int) -> list[tuple[str, int, dict, int]]:
+    """The world's cases, as (model, micro-batch, variant, stage); ``"every-op"`` as the variant: the GPT sampled
+    after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)."""
     micros = MICRO_BATCHES if world_size == CONFIG_WORLD else MICRO_BATCHES[:1]  # (4 is extrapolated: once is enough)
     runs = [(name, micro, {}) for name in MODELS for micro in micros if name not in (*PARTIAL, "gpt6")]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL if name != "resnet18" or world_size == CONFIG_WORLD]
@@ -218,23 +218,29 @@ def main(world_size: int, only: str = "") -> None:
         runs += [("gpt6", MICRO_BATCHES[0], variant) for variant in ({}, *CONFIG_FIELDS)]
     if world_size == HIERARCHICAL_WORLD:
         runs = [("gpt-wide", MICRO_BATCHES[0], variant) for variant in HIERARCHICAL]
+    cases = [(name, micro, variant, stage) for name, micro, variant in runs for stage in stages(variant)]
+    every_op = [("gpt", MICRO_BATCHES[-1], "every-op", stage) for stage in STAGES]
+    return cases + (every_op if world_size == CONFIG_WORLD else [])
+
+
+def main(world_size: int, part: str = "0/1", only: str = "") -> None:
+    """Part ``K/P`` of the world's cases (every P-th from the K-th: the test runs the parts side by side, a process
+    each); ``only``: the cases whose key has it (a filter, to look at one case)."""
+    init_fake_world(world_size)
+    index, parts = map(int, part.split("/"))
     workloads = {name: Workload(*MODELS[name]) for name in MODELS}
-    for name, micro, variant in runs:
-        if only not in key(name, 0, micro, variant):  # (a filter, to look at one case)
+    out = {}
+    for name, micro, variant, stage in jobs(world_size)[index::parts]:
+        every_op = variant == "every-op"
+        variant = {} if every_op else variant
+        case = f"every-op/{name}/{stage}" if every_op else key(name, stage, micro, variant)
+        if only not in case:
             continue
         build, loss_fn, make_batch = MODELS[name]
         torch.manual_seed(micro)
-        batch = make_batch(micro)
-        for stage in stages(variant):
-            run = measure(build, loss_fn, batch, stage, **variant)
-            e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, **variant)
-            out[key(name, stage, micro, variant)] = {**run, **estimated(e)}
-    # sampled after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)
-    for stage in STAGES if not only and world_size == CONFIG_WORLD else ():
-        build, loss_fn, make_batch = MODELS["gpt"]
-        run = measure(build, loss_fn, make_batch(MICRO_BATCHES[-1]), stage, every_op=True)
-        e = estimate(workloads["gpt"], stage=stage, world_size=world_size, micro_batch=MICRO_BATCHES[-1])
-        out[f"every-op/gpt/{stage}"] = {**run, "estimated": e.peak, "estimated_categories": e.categories}
+        run = measure(build, loss_fn, make_batch(micro), stage, every_op=every_op, **variant)
+        e = estimate(workloads[name], stage=stage, world_size=world_size, micro_batch=micro, **variant)
+        out[case] = {**run, **estimated(e)}
     print(json.dumps(out))
     dist.destroy_process_group()
 

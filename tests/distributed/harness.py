@@ -156,10 +156,26 @@ def init_fake_world(world_size: int) -> None:
 def run_module(module: str, *args: str, timeout: float) -> dict:
     """``python -m module *args`` from the repository root; the JSON of the last line it prints. It must exit 0
     (else the end of its stderr is the error) within ``timeout`` seconds."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_modules([(module, *args)], timeout=timeout)[0]
+
+
+def run_modules(calls: list[tuple[str, ...]], *, timeout: float, side_by_side: int = 2) -> list[dict]:
+    """:func:`run_module` for each ``(module, *args)`` of ``calls``, ``side_by_side`` processes at a time (the
+    measuring worlds are single-threaded Python for the most part: two share CI's 2 cores at nearly half the time);
+    their results in the order of ``calls``. Each is waited for ``timeout`` seconds at most."""
+    results: list[dict] = []
+    for start in range(0, len(calls), side_by_side):
+        procs = [subprocess.Popen([sys.executable, "-m", *call], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for call in calls[start:start + side_by_side]]
+        try:
+            outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()  # (a no-op for those that exited; the rest were timed out)
+        for proc, (out, err) in zip(procs, outputs):
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def value_error(fn: Callable[[], Any]) -> str:

@@ -59,7 +59,7 @@ from tests.distributed.estimate_world import (
     key,
     stages,
 )
-from tests.distributed.harness import run_module
+from tests.distributed.harness import run_modules
 
 pytestmark = pytest.mark.full_only  # --quick: covered once by the estimator's unit tests
 
@@ -70,8 +70,11 @@ def worlds() -> dict[int, dict]:
 
 
 def _world(worlds: dict[int, dict], world_size: int) -> dict:
+    """The world's cases, in two halves measured side by side (a process each)."""
     if world_size not in worlds:
-        worlds[world_size] = run_module("tests.distributed.estimate_world", str(world_size), timeout=900)
+        halves = run_modules([("tests.distributed.estimate_world", str(world_size), f"{k}/2") for k in range(2)],
+                             timeout=900)
+        worlds[world_size] = {case: run for half in halves for case, run in half.items()}
     return worlds[world_size]
 
 
@@ -127,8 +130,10 @@ needs_whole_optimizers = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def whole_ranks() -> dict[tuple[int, int], dict]:
     """(world size, rank) -> that rank's runs with whole-parameter optimizers."""
-    return {(n, rank): run_module("tests.distributed.estimate_world", "optimizers", str(n), str(rank), timeout=900)
-            for n in WHOLE_WORLDS for rank in range(n)}
+    ranks = [(n, rank) for n in WHOLE_WORLDS for rank in range(n)]
+    runs = run_modules([("tests.distributed.estimate_world", "optimizers", str(n), str(rank)) for n, rank in ranks],
+                       timeout=900)
+    return dict(zip(ranks, runs))
 
 
 def _whole_cases(world_size: int, rank: int) -> set[str]:
