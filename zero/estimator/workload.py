@@ -278,7 +278,7 @@ class Workload:
                              f"with {self.assignment().describe()} offload to 'cpu' instead")
         policy = precision_policy(precision)
         model = self.model(policy, units=units)
-        stage_policy = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
+        keeps = make_stage(stage, policy).policy(world_size, secondary_shards=secondary_shards)
         state = self._disk_state() if offload.pages else {}
         stepped = set(self.assignment().group_of)  # (the trainable parameters in the optimizers)
         with self.mode:
@@ -287,7 +287,7 @@ class Workload:
                 torch.optim.SGD([p for n, p in model.named_parameters() if n in stepped] or model.parameters(), lr=0.1),
                 model,
                 bucket_size_bytes=max(1, int(bucket_size_mb * 2**20)),
-                policy=stage_policy,
+                policy=keeps,
                 shard_index=0,
                 plan=partial(units.plan, model) if stage == 3 else None,
                 dtypes_of=lambda p: policy.dtypes(p.dtype, full=p in full),
@@ -295,7 +295,7 @@ class Workload:
             )
         bucketed = {id(slot.param) for b in partition.buckets for slot in b.slots}
         stage_plan = partition.plan
-        owners = self._ownership(partition.trainable_buckets, stage_policy.num_shards, policy, rank)
+        owners = self._ownership(partition.trainable_buckets, keeps.num_shards, policy, rank)
         priced = tuple(_priced(b, owners.shard, file_bytes(stage_plan, b.plan, state)) for b in partition.buckets)
         return Layout(
             stage=stage,

@@ -3,4 +3,5 @@ kernel that suits each (``stepper``; ``flat_step``: the Triton step of a whole b
 delayed in a background thread (``delayed``), on the host with the cores the rank owns (``host_threads``), and fp16's
 loss scaling (``loss_scaler``).
 
-May import: ``torch``, the policies, ``zero.kernels``, :mod:`zero.runtime.buffers`, :mod:`zero.runtime.offload`."""
+May import: ``torch``, the policies, ``zero.comm``, ``zero.kernels``, :mod:`zero.runtime.buffers`,
+:mod:`zero.runtime.offload`, :mod:`zero.runtime.parallel`, :mod:`zero.runtime.guards`."""
