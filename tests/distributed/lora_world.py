@@ -43,6 +43,13 @@ TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "v_proj", "
 BLOCKS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
 
 
+def models_at(world_size: int) -> tuple[str, ...]:
+    """Both models at 2 ranks; GPT-2 alone at 1 and 3. What Llama adds (``nn.Linear`` targets, its decoder layer
+    checkpointed) does not depend on the world size, and the shards' arithmetic at 1 and 3 ranks (uneven at 3) does
+    not depend on the model: GPT-2's adapters are split unevenly at 3 ranks too."""
+    return MODELS if world_size == 2 else MODELS[:1]
+
+
 # ----- the model, the data, the step ----------------------------------------------------------------------------
 
 
@@ -291,9 +298,9 @@ def trainer_run(rank: int, world_size: int, root: str, stage: int | None) -> dic
 
 
 def lora_checks(rank: int, world_size: int, root: str) -> dict:
-    """Every case for both models, the bf16 recipe under DDP at 2 and 3 ranks, and the Trainer (DDP and stages 0-3);
-    keyed by (model, case key), ("ddp-bf16", model) and ("trainer", stage or "ddp"). Each value is the run's result or
-    ``{"error": ...}``; ``"seconds"`` holds each run's time."""
+    """Every case for the models of this world size (``models_at``), the bf16 recipe under DDP at 2 and 3 ranks, and
+    the Trainer (DDP and stages 0-3); keyed by (model, case key), ("ddp-bf16", model) and ("trainer", stage or
+    "ddp"). Each value is the run's result or ``{"error": ...}``; ``"seconds"`` holds each run's time."""
     import time
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gradient_checkpointing_enable's rename
@@ -306,7 +313,7 @@ def lora_checks(rank: int, world_size: int, root: str) -> dict:
         out[key] = _guarded(fn, *args)
         out["seconds"][key] = time.perf_counter() - start
 
-    for kind in MODELS:
+    for kind in models_at(world_size):
         for key in keys:
             timed((kind, key), run_case, rank, world_size, kind, CASES[key], _group())
         if world_size > 1 and any(CASES[key].precision for key in keys):
