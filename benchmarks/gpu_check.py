@@ -68,8 +68,9 @@ def part_tests(out: Path) -> dict:
     import xml.etree.ElementTree as ET
 
     report = out.with_suffix(".xml")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True)
+    # in this process, one GPU: without pyproject's worker processes (the GPU image has no pytest-xdist)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "tests/gpu", "-q", "-p",
+                           "no:cacheprovider", f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True)
     cases = ET.parse(report).getroot().iter("testcase")
     counts, failures = {"passed": 0, "failed": 0, "skipped": 0}, []
     for case in cases:
