@@ -60,6 +60,7 @@ RTOL = 1e-5
 NOISE_FACTOR, BF16_LOSS_RTOL = 2, 5e-3  # bf16 at 2-3 ranks (see the module docstring)
 
 WORLDS = [pytest.param(2, id="world2"), pytest.param(1, id="world1"), pytest.param(3, id="world3")]
+WORLD_MODELS = [pytest.param(n, kind, id=f"world{n}-{kind}") for n in (2, 1, 3) for kind in models_at(n)]
 FP32 = [k for k, c in CASES.items() if c.precision is None]
 BF16 = [k for k, c in CASES.items() if c.precision == "bf16"]
 UNCHANGED_BY = {  # a case -> the case it must equal bit for bit
@@ -86,11 +87,8 @@ def refs():
 
 
 def _run(lora, key) -> dict:
-    """Rank 0's result for ``key``, after checking that it ran and that every rank holds the same weights (a
-    model this world size does not train, ``models_at``: skipped)."""
+    """Rank 0's result for ``key``, after checking that it ran and that every rank holds the same weights."""
     world_size, results = lora
-    if key[0] in MODELS and key[0] not in models_at(world_size):
-        pytest.skip(f"{key[0]} trains at 2 ranks only (lora_world.models_at)")
     run = results[0][key]
     assert "error" not in run, f"{key} at {world_size} ranks failed: {run['error']}\n{run['traceback']}"
     nonfinite = [n for part in ("adapters", "masters") for n, v in run.get(part, {}).items() if not v.isfinite().all()]
@@ -128,7 +126,7 @@ def test_references_clip_and_learn(refs):
 
 
 @pytest.mark.parametrize("key", FP32)
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize(("lora", "kind"), WORLD_MODELS, indirect=["lora"], scope="module")
 def test_fp32_equals_single_process(lora, refs, kind, key):
     run, ref = _run(lora, (kind, key)), refs[kind]["fp32"]
     assert len(run["losses"]) == len(run["norms"]) == STEPS
@@ -142,7 +140,7 @@ def test_fp32_equals_single_process(lora, refs, kind, key):
 
 
 @pytest.mark.parametrize("key", BF16)
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize(("lora", "kind"), WORLD_MODELS, indirect=["lora"], scope="module")
 def test_bf16_equals_the_hand_built_recipe(lora, refs, kind, key):
     world_size, results = lora
     run, recipe = _run(lora, (kind, key)), refs[kind]["bf16"]
@@ -165,7 +163,7 @@ def test_bf16_equals_the_hand_built_recipe(lora, refs, kind, key):
 
 
 @pytest.mark.parametrize("key", sorted(UNCHANGED_BY))
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize(("lora", "kind"), WORLD_MODELS, indirect=["lora"], scope="module")
 def test_offload_and_checkpointing_change_no_number(lora, kind, key):
     run = _run(lora, (kind, key))
     plain = _run(lora, (kind, UNCHANGED_BY[key]))
