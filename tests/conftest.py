@@ -19,6 +19,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The modules marked heavy (a minute or more each) first, the rest as collected: the worker processes take test
+    # modules in this order (pyproject's --no-loadscope-reorder), so no worker is left with a long one at the end
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
     if not config.getoption("--quick"):
         return
     kept, dropped = [], []

@@ -14,6 +14,8 @@ import pytest
 from tests.distributed.estimate_pipeline_world import CASES, checks, priced
 from tests.distributed.harness import run_world
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 WORLD = 4
 LOW, HIGH = 0.98, 1.02
 

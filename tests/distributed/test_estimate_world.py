@@ -61,7 +61,7 @@ from tests.distributed.estimate_world import (
 )
 from tests.distributed.harness import run_modules
 
-pytestmark = pytest.mark.full_only  # --quick: covered once by the estimator's unit tests
+pytestmark = [pytest.mark.heavy, pytest.mark.full_only]  # --quick: covered once by the estimator's unit tests
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ from tests.distributed.lora_world import (
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-pytestmark = pytest.mark.full_only  # --quick: covered once by tests/distributed/test_lora_block.py
+pytestmark = [pytest.mark.heavy, pytest.mark.full_only]  # --quick: covered once by tests/distributed/test_lora_block.py
 
 RTOL = 1e-5
 NOISE_FACTOR, BF16_LOSS_RTOL = 2, 5e-3  # bf16 at 2-3 ranks (see the module docstring)

@@ -23,6 +23,8 @@ from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, build_model, pari
 from tests.readouts import flat_params, max_diff
 from zero import zero_model_state_bytes
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
 NORM_RTOL = 1e-6

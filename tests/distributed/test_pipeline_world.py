@@ -25,6 +25,8 @@ from tests.distributed.pipeline_world import (
 )
 from tests.distributed.tensor_parallel_world import loss_gap, norm_gap
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 FACTOR, FLOOR = 3.0, 1e-6
 LOSS_TOL = 1e-5
 NORM_RTOL = 1e-4

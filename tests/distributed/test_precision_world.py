@@ -18,6 +18,8 @@ from tests.distributed.precision_world import STAGES, precision_checks
 from tests.toy import FreshTensors
 from zero.estimator.estimator import model_states
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 precision = world_fixture(precision_checks)  # (world_size, each rank's precision_checks)
 
 REDUCE = (None, "bf16")

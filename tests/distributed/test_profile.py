@@ -20,6 +20,8 @@ from tests.distributed.harness import world_fixture
 from tests.distributed.profile_world import STAGES, micro_batches, profile_checks
 from zero import zero_model_state_bytes
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 world = world_fixture(profile_checks)
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")

@@ -24,6 +24,8 @@ from tests.distributed.tensor_parallel_world import (
     tensor_parallel_checks,
 )
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 FACTOR, FLOOR = 3.0, 1e-6
 LOSS_TOL = 1e-5
 NORM_RTOL = 1e-4

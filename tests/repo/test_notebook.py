@@ -10,6 +10,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "memory_walkthrough.ipynb"
 
 

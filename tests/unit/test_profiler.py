@@ -13,6 +13,8 @@ import zero
 from tests.readouts import profiled_steps
 from zero.models import GPT, GPTConfig, synthetic_batch
 
+pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+
 TINY = GPTConfig(vocab_size=128, seq_len=16, d_model=32, num_layers=2, num_heads=2)
 
 
