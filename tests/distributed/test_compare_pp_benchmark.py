@@ -15,6 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# --quick: the parity it reports is checked once by tests/distributed/test_pipeline_world.py
+pytestmark = pytest.mark.full_only
+
 ROOT = Path(__file__).resolve().parents[2]
 CONTENDERS = ["fsdp2-pp", "zero-1-pp", "zero-2-pp", "zero-3-pp", "zero-2-pp-torchstage"]
 STEPS, MICRO = 2, 4

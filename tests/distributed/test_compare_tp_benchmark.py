@@ -12,6 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# --quick: the parity it reports is checked once by tests/distributed/test_tensor_parallel_world.py
+pytestmark = pytest.mark.full_only
+
 ROOT = Path(__file__).resolve().parents[2]
 CONTENDERS = ["fsdp2-tp", "zero-1-tp", "zero-2-tp", "zero-3-tp"]
 STEPS = 2

@@ -14,7 +14,8 @@ import pytest
 from tests.distributed.estimate_pipeline_world import CASES, checks, priced
 from tests.distributed.harness import run_world
 
-pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+# heavy: run first (tests/conftest.py); --quick: covered once by tests/unit/test_estimator_pipeline.py
+pytestmark = [pytest.mark.heavy, pytest.mark.full_only]
 
 WORLD = 4
 LOW, HIGH = 0.98, 1.02

@@ -14,7 +14,8 @@ import pytest
 from tests.distributed.estimate_tensor_parallel_world import CASES, checks, priced
 from tests.distributed.harness import run_world
 
-pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
+# heavy: run first (tests/conftest.py); --quick: covered once by tests/unit/test_estimator_tensor_parallel.py
+pytestmark = [pytest.mark.heavy, pytest.mark.full_only]
 
 WORLD, TP = 4, 2
 LOW, HIGH = 0.98, 1.02
