@@ -206,9 +206,9 @@ def stages(variant: dict) -> tuple[int, ...]:
     return stages_for(validated(variant.get("communication")), STAGES)
 
 
-def jobs(world_size: int) -> list[tuple[str, int, dict, int]]:
-    """The world's cases, as (model, micro-batch, variant, stage); ``"every-op"`` as the variant: the GPT sampled
-    after every operator too, for the breakdown at the peak (the other runs sample at module boundaries)."""
+def jobs(world_size: int) -> list[tuple[str, int, dict, int, bool]]:
+    """The world's cases, as (model, micro-batch, variant, stage, every_op); ``every_op``: the GPT sampled after every
+    operator too, for the breakdown at the peak (the other runs sample at module boundaries)."""
     micros = MICRO_BATCHES if world_size == CONFIG_WORLD else MICRO_BATCHES[:1]  # (4 is extrapolated: once is enough)
     runs = [(name, micro, {}) for name in MODELS for micro in micros if name not in (*PARTIAL, "gpt6")]
     runs += [(name, MICRO_BATCHES[0], {}) for name in PARTIAL if name != "resnet18" or world_size == CONFIG_WORLD]
@@ -218,8 +218,8 @@ def jobs(world_size: int) -> list[tuple[str, int, dict, int]]:
         runs += [("gpt6", MICRO_BATCHES[0], variant) for variant in ({}, *CONFIG_FIELDS)]
     if world_size == HIERARCHICAL_WORLD:
         runs = [("gpt-wide", MICRO_BATCHES[0], variant) for variant in HIERARCHICAL]
-    cases = [(name, micro, variant, stage) for name, micro, variant in runs for stage in stages(variant)]
-    every_op = [("gpt", MICRO_BATCHES[-1], "every-op", stage) for stage in STAGES]
+    cases = [(name, micro, variant, stage, False) for name, micro, variant in runs for stage in stages(variant)]
+    every_op = [("gpt", MICRO_BATCHES[-1], {}, stage, True) for stage in STAGES]
     return cases + (every_op if world_size == CONFIG_WORLD else [])
 
 
@@ -230,9 +230,7 @@ def main(world_size: int, part: str = "0/1", only: str = "") -> None:
     index, parts = map(int, part.split("/"))
     workloads = {name: Workload(*MODELS[name]) for name in MODELS}
     out = {}
-    for name, micro, variant, stage in jobs(world_size)[index::parts]:
-        every_op = variant == "every-op"
-        variant = {} if every_op else variant
+    for name, micro, variant, stage, every_op in jobs(world_size)[index::parts]:
         case = f"every-op/{name}/{stage}" if every_op else key(name, stage, micro, variant)
         if only not in case:
             continue
