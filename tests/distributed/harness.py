@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.quick import is_quick
+
 TEARDOWN_S = 10
 PRELOAD = [  # what the fork server imports once (a module that is not installed is skipped)
     "torch", "torch.distributed", "zero", "tests.distributed.harness", "tests.readouts", "tests.toy",
@@ -37,14 +39,17 @@ PRELOAD = [  # what the fork server imports once (a module that is not installed
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the working directory of the processes started here
 
 
-def world_fixture(checks: Callable, sizes: tuple[int, ...] = (1, 2, 3), *args: Any, timeout_s: float = 600):
+def world_fixture(checks: Callable, sizes: tuple[int, ...] = (1, 2, 3), *args: Any, quick_args: tuple | None = None,
+                  timeout_s: float = 600):
     """A test module's ``world`` fixture: one real world per size in ``sizes`` (ids ``world1``, ...; ``--quick``
-    keeps ``world2``) runs ``checks(rank, world_size, *args)`` once for the module; the fixture's value is
+    keeps ``world2``) runs ``checks(rank, world_size, *args)`` once for the module (``*quick_args`` instead under
+    ``--quick``, where given: the part of its matrix a quick run keeps, ``tests/quick.py``); the fixture's value is
     ``(world_size, results by rank)``. Define it as ``world = world_fixture(checks)`` in the module."""
 
     @pytest.fixture(scope="module", params=sizes, ids=lambda n: f"world{n}")
     def world(request):
-        return request.param, run_world(checks, request.param, *args, timeout_s=timeout_s)
+        run_args = quick_args if quick_args is not None and is_quick(request) else args
+        return request.param, run_world(checks, request.param, *run_args, timeout_s=timeout_s)
 
     return world
 

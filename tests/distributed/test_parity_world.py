@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.distributed.harness import world_fixture
-from tests.distributed.worlds import SCENARIOS, STAGES, STEPS, build_model, parity_checks
+from tests.distributed.worlds import QUICK_MATRIX, SCENARIOS, STAGES, STEPS, build_model, parity_checks
+from tests.quick import full_only_beyond
 from tests.readouts import flat_params, max_diff
 from zero import zero_model_state_bytes
 
@@ -29,17 +30,19 @@ LOSS_RTOL = 1e-5
 SGD_ATOL = 1e-5
 NORM_RTOL = 1e-6
 
-world = world_fixture(parity_checks)
+world = world_fixture(parity_checks, quick_args=(QUICK_MATRIX,))
 
 
-@pytest.mark.parametrize("kind,scenario", SCENARIOS, ids=lambda x: x)
+@pytest.mark.parametrize("kind,scenario", full_only_beyond(SCENARIOS, QUICK_MATRIX), ids=lambda x: x)
 def test_stages_train_like_single_process(world, kind, scenario):
     world_size, results = world
     runs = results[0]["runs"]
     ref = runs[(kind, scenario, "reference")]
     ddp = runs[(kind, scenario, "ddp")]
     ddp_noise = float((ddp["params"] - ref["params"]).norm())
-    for stage in STAGES:
+    stages = results[0]["matrix"][(kind, scenario)]  # every stage; one under --quick (worlds.QUICK_MATRIX)
+    assert stages
+    for stage in stages:
         mode = f"stage{stage}"
         ours = runs[(kind, scenario, mode)]
         assert len(ours["losses"]) == STEPS

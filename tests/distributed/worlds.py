@@ -44,6 +44,16 @@ SCENARIOS = [
 ]
 NUM_BATCHES = 3  # batches are revisited, so the loss visibly falls
 STAGES = (0, 1, 2, 3)
+MATRIX = {scenario: STAGES for scenario in SCENARIOS}  # the stages each scenario trains at
+QUICK_MATRIX = {  # --quick: plain AdamW at every stage, each other path once, at the stage where it differs most
+    ("adamw", "plain"): STAGES,
+    ("adamw", "accum"): (2,),  # no_sync() over reduce-scatter hooks
+    ("sgd", "clip"): (3,),  # the norm of sharded gradients
+    ("sgd", "edit"): (3,),  # a parameter gathered, edited and sharded again
+    ("sgd", "passes3"): (1,),
+    ("sgd", "zero_grad_paths"): (2,),
+    ("sgd", "finetune"): (3,),  # frozen parameters sharded
+}
 EDIT_STEP = 4
 
 
@@ -226,16 +236,17 @@ def resume_matches(rank: int, world_size: int, stage: int) -> float:
     return max_diff(flat_params(model, opt), flat_params(model2, opt2))
 
 
-def parity_checks(rank: int, world_size: int) -> dict:
-    """Everything the parity world runs: each scenario single-process (rank 0), under DDP and at each stage; the
-    memory after a step and resuming from a state dict at each stage."""
+def parity_checks(rank: int, world_size: int, matrix: dict = MATRIX) -> dict:
+    """Everything the parity world runs: each scenario of ``matrix`` single-process (rank 0), under DDP and at its
+    stages; the memory after a step and resuming from a state dict at each stage."""
     runs = {}
-    for kind, scenario in SCENARIOS:
+    for (kind, scenario), stages in matrix.items():
         if rank == 0:  # in the same process as the runs it is compared with (same threads, same kernels)
             runs[(kind, scenario, "reference")] = train(kind, scenario, 0, 1, "reference")
-        for mode in ("ddp",) + tuple(f"stage{s}" for s in STAGES):
+        for mode in ("ddp",) + tuple(f"stage{s}" for s in stages):
             runs[(kind, scenario, mode)] = train(kind, scenario, rank, world_size, mode)
     return {
+        "matrix": matrix,
         "runs": runs,
         "memory": {stage: memory_after_step(rank, world_size, stage) for stage in STAGES},
         "resume": {stage: resume_matches(rank, world_size, stage) for stage in STAGES},
