@@ -25,12 +25,15 @@ BENCH = GPTConfig(vocab_size=512, seq_len=128, d_model=256, num_layers=4, num_he
 EVERY_OP = GPTConfig(vocab_size=512, seq_len=128, d_model=256, num_layers=2, num_heads=4)
 MICRO_BATCHES = (2, 4)  # sequences per rank
 STAGES = (0, 1, 2, 3)
+# --quick: one micro-batch, and the runs sampled at every operator at stage 0 (every activation alive at the peak)
+# and stage 3 (the peak after backward's prefetch); every run's samples still reconcile at stages 1 and 2
+QUICK_ARGS = (MICRO_BATCHES[:1], (0, 3))
 
 
-def micro_batches(world_size: int) -> tuple[int, ...]:
-    """The micro-batches priced at ``world_size``: both at 2 ranks; one at 1 and 3 (the activations' scaling with the
-    micro-batch is the same at any world size, the shards' arithmetic is what 1 and 3 add)."""
-    return MICRO_BATCHES if world_size == 2 else MICRO_BATCHES[:1]
+def micro_batches(world_size: int, at_two: tuple[int, ...] = MICRO_BATCHES) -> tuple[int, ...]:
+    """The micro-batches priced at ``world_size``: ``at_two`` (both) at 2 ranks; one at 1 and 3 (the activations'
+    scaling with the micro-batch is the same at any world size, the shards' arithmetic is what 1 and 3 add)."""
+    return at_two if world_size == 2 else MICRO_BATCHES[:1]
 
 
 def saved_tensor_bytes(cfg: GPTConfig, micro_batch: int) -> int:
@@ -69,18 +72,20 @@ def profiled_run(rank: int, world_size: int, stage: int, micro_batch: int, every
     return result
 
 
-def profile_checks(rank: int, world_size: int) -> dict:
+def profile_checks(rank: int, world_size: int, at_two: tuple[int, ...] = MICRO_BATCHES,
+                   every_op_stages: tuple[int, ...] = STAGES) -> dict:
     """Every stage and micro-batch (:func:`micro_batches`) of BENCH sampled at module boundaries (for the estimator),
-    and, at world size 2, EVERY_OP at every stage sampled at every operator too (reconciliation and activations at the
-    peak) with what its plain forward saves."""
+    and, at world size 2, EVERY_OP at ``every_op_stages`` sampled at every operator too (reconciliation and
+    activations at the peak) with what its plain forward saves."""
     workload = Workload(lambda: GPT(BENCH), lambda m, x, y: m.loss(x, y),
                         lambda micro: synthetic_batch(0, micro, BENCH))
     runs, estimates = {}, {}
     for stage in STAGES:
-        for micro in micro_batches(world_size):
+        for micro in micro_batches(world_size, at_two):
             runs[(stage, micro, False)] = profiled_run(rank, world_size, stage, micro, every_op=False)
             estimates[(stage, micro)] = estimate(workload, stage=stage, world_size=world_size, micro_batch=micro).peak
-        if world_size == 2:
+        if world_size == 2 and stage in every_op_stages:
             runs[(stage, 4, True)] = profiled_run(rank, world_size, stage, 4, every_op=True)
     saved = {4: saved_tensor_bytes(EVERY_OP, 4)} if world_size == 2 else {}
-    return {"runs": runs, "estimates": estimates, "saved": saved}
+    return {"runs": runs, "estimates": estimates, "saved": saved,
+            "micro_batches": micro_batches(world_size, at_two), "every_op_stages": every_op_stages}
