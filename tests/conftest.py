@@ -7,9 +7,15 @@ marked ``full_only`` (a larger copy of a check that a quick run makes once elsew
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
+
+# OpenMP's idle threads sleep rather than spin, in the workers and every process they start (before any test imports
+# torch): a worker per core, each with torch's threads and its worlds' ranks, spinning threads took the cores from
+# the others (the estimate world's two processes side by side: 4x the time); the threads and every number unchanged
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 OTHER_WORLDS = re.compile(r"(^|[-\[_])world[13]($|[-\]_])")  # the parameter ids of worlds of 1 and 3 ranks
 

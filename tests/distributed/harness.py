@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing
-import os
 import socket
 import subprocess
 import sys
@@ -169,12 +168,10 @@ def run_modules(calls: list[tuple[str, ...]], *, timeout: float, side_by_side: i
     """:func:`run_module` for each ``(module, *args)`` of ``calls``, ``side_by_side`` processes at a time (the
     measuring worlds are single-threaded Python for the most part: two share CI's 2 cores at nearly half the time);
     their results in the order of ``calls``. Each is waited for ``timeout`` seconds at most."""
-    # OpenMP's threads sleep when idle rather than spin: two processes with torch's default threads each, spinning,
-    # took 4x the time of the two side by side sleeping (a number of threads, and so every byte measured, unchanged)
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    # (OpenMP's idle threads sleep in them: tests/conftest.py sets OMP_WAIT_POLICY for the session)
     results: list[dict] = []
     for start in range(0, len(calls), side_by_side):
-        procs = [subprocess.Popen([sys.executable, "-m", *call], cwd=ROOT, stdout=subprocess.PIPE, env=env,
+        procs = [subprocess.Popen([sys.executable, "-m", *call], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for call in calls[start:start + side_by_side]]
         try:
             outputs = [proc.communicate(timeout=timeout) for proc in procs]

@@ -1,15 +1,16 @@
 """What each rank runs in ``test_hierarchy_world.py``: hierarchical sharding (``communication.shard_size``) in a
 world of 4 ranks laid out as 2 groups of 2 (two machines of two ranks), and the quantized codecs on top of it.
 
-* ``parity``: the parity scenarios of ``worlds.train`` at stages 1-3 with ``shard_size=2``, the single-process
-  reference (rank 0) and DDP at 4 ranks (its noise, the yardstick for Adam);
+* ``parity``: the parity scenarios of ``worlds.train`` at stages 1-3 with ``shard_size=2`` and at stage 3 under hpZ
+  (``MATRIX``; ``--quick``: ``QUICK_MATRIX``), the single-process reference (rank 0) and DDP at 4 ranks (its noise,
+  the yardstick for Adam);
 * ``layout``: which ranks share a shard group and what each rank holds and sends;
 * ``resume``: SGD at stage 3 with ``shard_size=2``: 3 steps, a portable checkpoint, 3 more steps; then a flat
   stage-2 run at 4 ranks loads the checkpoint and takes the same 3 steps;
 * ``quantized``: ``shard_size=2`` with qwZ and qgZ: per-step traffic, and that gathers outside training are exact.
 * ``heard``: ``Communicator.everywhere`` with one rank failing, inside its group and across the groups;
-* ``traffic``: ``traffic_world.HIERARCHY_CASES``, a GPT's steady step's ``opt.comm_stats`` for the estimator;
-  ``traffic_hpz``: the same for ``traffic_world.HPZ_CASES`` (hpZ).
+* ``traffic``: ``traffic_world.HIERARCHY_CASES``, a GPT's steady step's ``opt.comm_stats`` for the estimator (by
+  the case's index; ``--quick``: ``QUICK_TRAFFIC``); ``traffic_hpz``: the same for ``traffic_world.HPZ_CASES`` (hpZ).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.traffic_world import hpz_traffic_checks, traffic_checks
+from tests.distributed import traffic_world
 from tests.distributed.worlds import BUCKET_MB, CFG, build_model, make_optimizer, train
 from tests.readouts import flat_params
 from zero import ZeroOptimizer, load_checkpoint, save_checkpoint
@@ -38,23 +39,45 @@ HPZ_RUNS = {  # stage 3 with ZeRO++'s secondary copies: backward gathers (recomp
 SCENARIOS = [("adamw", "plain"), ("sgd", "clip"), ("sgd", "edit"), ("sgd", "passes3"), ("sgd", "zero_grad_paths"),
              ("sgd", "finetune")]  # (zero_grad_paths: model.zero_grad(), zero_grad(set_to_none=False), none)
 STAGES = (1, 2, 3)
+RUNS = (*STAGES, *HPZ_RUNS)  # what a scenario trains at: stages 1-3 with shard_size=2, and stage 3 under hpZ
+MATRIX = {scenario: RUNS for scenario in SCENARIOS}
+QUICK_MATRIX = {  # --quick: plain AdamW at every run, each other scenario once, where hierarchy changes its path most
+    ("adamw", "plain"): RUNS,
+    ("sgd", "clip"): (3,),  # the norm of shards the other group holds too: summed inside the group only
+    ("sgd", "edit"): (3, "hpz"),  # HSDP: rank 0's edit broadcast across the groups; hpZ: the unit's copies forgotten
+    ("sgd", "passes3"): (1,),  # each pass's chunk, all-reduced across the groups, carried into the next pass
+    ("sgd", "zero_grad_paths"): (2,),  # uncleared gradients: a shard summed across the groups must not be again
+    ("sgd", "finetune"): ("hpz",),  # frozen buckets keep secondary copies too: backward gathers them in the group
+}
+TRAFFIC = tuple(range(len(traffic_world.HIERARCHY_CASES)))
+QUICK_TRAFFIC = (  # --quick: both levels priced through the codec (plain HSDP is the same kinds at 4 bytes; flat qwZ
+    1,  # and qgZ are codec_world's too). Stage 2, qgZ: int8 reduce-scatters in the groups, the all-reduce across
+    3,  # stage 3, qwZ and qgZ under bf16: every kind of both levels
+)
 RESUME_STEPS = 3
 
 
-def parity(rank: int) -> dict:
+def parity(rank: int, matrix: dict) -> dict:
     runs = {}
-    for kind, scenario in SCENARIOS:
+    for (kind, scenario), modes in matrix.items():
         if rank == 0:
             runs[(kind, scenario, "reference")] = train(kind, scenario, 0, 1, "reference", global_batch=GLOBAL_BATCH)
         if kind == "adamw":
             runs[(kind, scenario, "ddp")] = train(kind, scenario, rank, WORLD_SIZE, "ddp", global_batch=GLOBAL_BATCH)
-        for stage in STAGES:
+        for stage in (m for m in modes if m in STAGES):
             runs[(kind, scenario, stage)] = train(kind, scenario, rank, WORLD_SIZE, f"stage{stage}",
                                                   global_batch=GLOBAL_BATCH, settings={"communication": HIERARCHY})
-        for name, settings in HPZ_RUNS.items():
+        for name in (m for m in modes if m in HPZ_RUNS):
             runs[(kind, scenario, name)] = train(kind, scenario, rank, WORLD_SIZE, "stage3", global_batch=GLOBAL_BATCH,
-                                                 settings=settings)
+                                                 settings=HPZ_RUNS[name])
     return runs
+
+
+def traffic(rank: int, cases: tuple[int, ...]) -> dict[int, dict]:
+    """``traffic_world``'s steady step of each of ``cases`` (indices into ``HIERARCHY_CASES``), by index."""
+    w = traffic_world
+    return {i: w.steady_step_stats(rank, WORLD_SIZE, w.CFG, w.GLOBAL_BATCH, w.BUCKET_MB, *w.HIERARCHY_CASES[i])
+            for i in cases}
 
 
 def _steps(model: torch.nn.Module, opt: ZeroOptimizer, rank: int, steps: range) -> list[float]:
@@ -147,10 +170,14 @@ def heard(rank: int) -> dict:
     return outcomes
 
 
-def hierarchy_checks(rank: int, world_size: int, directory: str) -> dict:
+def hierarchy_checks(rank: int, world_size: int, directory: str, matrix: dict = MATRIX,
+                     traffic_cases: tuple[int, ...] = TRAFFIC) -> dict:
+    """Everything this world runs (the module docstring); ``matrix`` and ``traffic_cases``: the parity runs and the
+    traffic cases (``QUICK_MATRIX`` and ``QUICK_TRAFFIC`` under ``--quick``), returned with the results."""
     assert world_size == WORLD_SIZE
-    return {"parity": parity(rank), "layout": layout(rank, HIERARCHY), "layout_hpz": layout(rank, HPZ),
-            "flat_stats": layout(rank, {})["stats"], "layout_hpz1": layout(rank, {**HPZ, "shard_size": 1}),
+    return {"matrix": matrix, "parity": parity(rank, matrix), "layout": layout(rank, HIERARCHY),
+            "layout_hpz": layout(rank, HPZ), "flat_stats": layout(rank, {})["stats"],
+            "layout_hpz1": layout(rank, {**HPZ, "shard_size": 1}),
             "resume": resume(rank, directory, HIERARCHY, (2, {})), "resume_hpz": resume(rank, directory, HPZ, (3, HPZ)),
-            "quantized": quantized(rank), "traffic": traffic_checks(rank, world_size),
-            "traffic_hpz": hpz_traffic_checks(rank, world_size), "heard": heard(rank)}
+            "quantized": quantized(rank), "traffic": traffic(rank, traffic_cases),
+            "traffic_hpz": traffic_world.hpz_traffic_checks(rank, world_size), "heard": heard(rank)}

@@ -1,5 +1,7 @@
 """What each rank runs in the Hugging Face integration tests (``test_integrations_world.py``): the Trainer and
-an Accelerate loop, with ZeroOptimizer at stages 0-3 and with DDP (the baseline), on a GPT-2 from a config."""
+an Accelerate loop, with ZeroOptimizer at stages 0-3 and with DDP (the baseline), on a GPT-2 from a config; and both
+with hierarchical sharding at 4 ranks (``HIERARCHICAL``). ``--quick`` runs ``QUICK_STAGES`` and ``QUICK_HIERARCHICAL``
+(the checkpoints, saved at stage 2 and resumed at stage 3, either way), and each world returns what it ran."""
 
 from __future__ import annotations
 
@@ -12,6 +14,14 @@ from tests.toy import tiny_hf
 
 GLOBAL_ROWS, SEQ, VOCAB = 32, 16, 64
 STEPS = 4  # optimizer steps: 2 ranks x 2 rows x 2 micro-batches = 8 rows each
+STAGES = (0, 1, 2, 3)
+QUICK_STAGES = {  # --quick: each integration against DDP at one stage (stage 3: the hierarchical world's Trainer)
+    "trainer": (1,),  # whole local gradients of which only a chunk is reduced: torch's clip would read them
+    "accelerate": (2,),  # accelerator.accumulate's no_sync() over the reduce-scatter hooks
+}
+HIERARCHICAL = ("trainer", "accelerate", "trainer_hpz", "accelerate_hpz")  # the paths at 4 ranks in 2 groups
+# --quick: HSDP through the Trainer (its export heard in every group), hpZ through Accelerate
+QUICK_HIERARCHICAL = ("trainer", "accelerate_hpz")
 # the Trainer's arguments in these tests and in lora_world's (each adds its steps and hyperparameters)
 TRAINER_SETTINGS = dict(
     per_device_train_batch_size=2, gradient_accumulation_steps=2, lr_scheduler_type="linear", warmup_steps=1,
@@ -55,8 +65,8 @@ def logs(trainer) -> dict:
     return {"loss": [r["loss"] for r in rows], "grad_norm": [float(r["grad_norm"]) for r in rows]}
 
 
-def trainer_runs(rank: int, world_size: int, root: str) -> dict:
-    """DDP Trainer, then ZeroTrainer at stages 0-3: per-step loss and grad norm; stage 2 and 3 resume from a
+def trainer_runs(rank: int, world_size: int, root: str, stages: tuple[int, ...] = STAGES) -> dict:
+    """DDP Trainer, then ZeroTrainer at ``stages``: per-step loss and grad norm; stage 2 and 3 resume from a
     checkpoint; the exported model of stage 3."""
     torchrun_env(rank, world_size)
     from transformers import Trainer
@@ -67,13 +77,13 @@ def trainer_runs(rank: int, world_size: int, root: str) -> dict:
     def args(out: str, **over):
         return training_args(out, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, **over)
 
-    out = {}
+    out = {"stages": stages}
     base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
     base.train()
     out["ddp"] = logs(base)
     out["ddp_eval"] = base.evaluate(eval_dataset=Tokens())["eval_loss"]
     out["ddp_wrapped"] = type(base.model_wrapped).__name__
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/stage{stage}"), train_dataset=Tokens(),
                               zero_config=ZeroConfig(stage=stage))
         trainer.train()
@@ -141,23 +151,23 @@ def _accelerate_run(stage: int | None, steps=range(STEPS), state_in: str | None 
     return {"losses": losses, "norms": norms, "wrapped": type(model).__name__}
 
 
-def accelerate_runs(rank: int, world_size: int, root: str) -> dict:
-    """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at stages 0-3; then
+def accelerate_runs(rank: int, world_size: int, root: str, stages: tuple[int, ...] = STAGES) -> dict:
+    """An Accelerate loop with accumulation: DDP (accelerator.prepare) and the helper at ``stages``; then
     save_state / load_state through the helper's hooks."""
     torchrun_env(rank, world_size)
-    out = {"ddp": _accelerate_run(None)}
-    for stage in (0, 1, 2, 3):
+    out = {"stages": stages, "ddp": _accelerate_run(None)}
+    for stage in stages:
         out[f"stage{stage}"] = _accelerate_run(stage)
     out["saving"] = _accelerate_run(2, state_out=f"{root}/accel")
     out["resumed"] = _accelerate_run(3, steps=range(2, STEPS), state_in=f"{root}/accel")
     return out
 
 
-def hierarchical_runs(rank: int, world_size: int, root: str) -> dict:
+def hierarchical_runs(rank: int, world_size: int, root: str, paths: tuple[str, ...] = HIERARCHICAL) -> dict:
     """4 ranks as 2 groups of 2 (``communication={"shard_size": 2}``, stage 3): the DDP Trainer and ZeroTrainer,
     whose model is then exported (rank 0, heard by every group); the Accelerate loop with DDP and with the helper;
     both again with ZeRO++'s hpZ (``hierarchy="hpz"``: shards over the 4 ranks, backward's gathers from the group's
-    secondary copies)."""
+    secondary copies). ``paths``: which of them (``HIERARCHICAL``) run, beside the DDP baselines they need."""
     torchrun_env(rank, world_size)
     from transformers import Trainer
 
@@ -167,22 +177,31 @@ def hierarchical_runs(rank: int, world_size: int, root: str) -> dict:
     def args(out: str):
         return training_args(out, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5)
 
-    base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
-    base.train()
-    trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/hsdp"), train_dataset=Tokens(),
-                          zero_config=ZeroConfig(stage=3, communication={"shard_size": 2}))
-    trainer.train()
-    trainer.save_model(f"{root}/final")
-    with trainer.zero_optimizer.gathered_parameters():
-        gathered = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    out: dict = {"paths": paths}
     hpz = {"shard_size": 2, "hierarchy": "hpz"}
-    with_copies = ZeroTrainer(model=gpt2(), args=args(f"{root}/hpz"), train_dataset=Tokens(),
-                              zero_config=ZeroConfig(stage=3, communication=hpz))
-    with_copies.train()
-    return {"trainer_ddp": logs(base), "trainer": logs(trainer), "gathered": gathered,
-            "shard_group": dist.get_process_group_ranks(trainer.zero_optimizer.comm.group),
-            "trainer_hpz": logs(with_copies),
-            "hpz_gathers_inside": with_copies.zero_optimizer.comm_stats.get("intra_all_gather", {}).get("calls", 0),
-            "accelerate_ddp": _accelerate_run(None),
-            "accelerate": _accelerate_run(3, communication={"shard_size": 2}),
-            "accelerate_hpz": _accelerate_run(3, communication=hpz)}
+    if "trainer" in paths or "trainer_hpz" in paths:
+        base = Trainer(model=gpt2(), args=args(f"{root}/ddp"), train_dataset=Tokens())
+        base.train()
+        out["trainer_ddp"] = logs(base)
+    if "trainer" in paths:
+        trainer = ZeroTrainer(model=gpt2(), args=args(f"{root}/hsdp"), train_dataset=Tokens(),
+                              zero_config=ZeroConfig(stage=3, communication={"shard_size": 2}))
+        trainer.train()
+        trainer.save_model(f"{root}/final")
+        with trainer.zero_optimizer.gathered_parameters():
+            out["gathered"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        out["trainer"] = logs(trainer)
+        out["shard_group"] = dist.get_process_group_ranks(trainer.zero_optimizer.comm.group)
+    if "trainer_hpz" in paths:
+        with_copies = ZeroTrainer(model=gpt2(), args=args(f"{root}/hpz"), train_dataset=Tokens(),
+                                  zero_config=ZeroConfig(stage=3, communication=hpz))
+        with_copies.train()
+        out["trainer_hpz"] = logs(with_copies)
+        out["hpz_gathers_inside"] = with_copies.zero_optimizer.comm_stats.get("intra_all_gather", {}).get("calls", 0)
+    if "accelerate" in paths or "accelerate_hpz" in paths:
+        out["accelerate_ddp"] = _accelerate_run(None)
+    if "accelerate" in paths:
+        out["accelerate"] = _accelerate_run(3, communication={"shard_size": 2})
+    if "accelerate_hpz" in paths:
+        out["accelerate_hpz"] = _accelerate_run(3, communication=hpz)
+    return out

@@ -14,6 +14,8 @@ floor) and with ``ZeroOptimizer`` at stages 0-3:
 * an optimizer zero does not know, with a per-tensor norm (:class:`NormalizedSGD`), stepped whole (exact, no
   warning) and declared elementwise in ``ZeroConfig`` (flat: differs, which proves the declaration is honoured);
 * Muon + AdamW under bf16 parameters over fp32 masters against the hand-built recipe (``tests.recipes``).
+
+``MATRIX`` says the stages of each (``QUICK_MATRIX`` under ``--quick``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ CLIP = 0.5
 NUM_BATCHES = 2  # batches revisited
 OFFLOAD_STAGES = (1, 3)  # the optimizer on the host (on a CPU machine the same memory, but the offloaded path)
 DECLARED_STAGES = (1, 3)  # where an optimizer declared elementwise steps flat slices
+PLAIN = ("muon_adamw", "adafactor", "lamb", "lamb_prenorm", "soap")  # the recipes trained without a scenario
+MATRIX = {  # the stages of each part: (recipe, scenario) runs, the unknown optimizer whole and declared, offload, bf16
+    "runs": {**{(recipe, "plain"): STAGES for recipe in PLAIN}, ("muon_adamw", "accum"): STAGES,
+             ("muon_adamw", "clip"): STAGES},
+    "unknown": STAGES, "declared": DECLARED_STAGES, "offload": OFFLOAD_STAGES, "bf16": STAGES,
+}
+QUICK_MATRIX = {  # --quick: Muon + AdamW at every stage, each other path once, at the stage where it differs most
+    "runs": {
+        ("muon_adamw", "plain"): STAGES,
+        # the other rules at stage 3, where the owner needs the holders' master pieces too (below it the owner reads
+        # the whole current values from its own parameter buffer): the most exchanged
+        **{(recipe, "plain"): (3,) for recipe in PLAIN[1:]},
+        ("muon_adamw", "accum"): (2,),  # no_sync() over reduce-scatter hooks: one update per step, not per micro-batch
+        ("muon_adamw", "clip"): (3,),  # the global norm over both optimizers' sharded gradients
+    },
+    "unknown": (3,),  # stepped whole, the master pieces exchanged as above
+    "declared": (1,),  # flat slices: a parameter split over the optimizer-state shards, normalized piece by piece
+    "offload": (1,),  # below stage 3 only the host master makes the master travel to the owner
+    "bf16": (2,),  # fp32 masters apart from the bf16 parameters (they travel), the bf16 gradients sharded
+}
 
 
 class NormalizedSGD(torch.optim.Optimizer):
@@ -184,23 +206,25 @@ def train(recipe: str, scenario: str, rank: int, world_size: int, mode: str, set
     return out
 
 
-def _runs(recipe: str, scenario: str, rank: int, world_size: int) -> dict:
+def _runs(recipe: str, scenario: str, rank: int, world_size: int, stages: tuple[int, ...] = STAGES) -> dict:
     runs = {}
     if rank == 0:  # in the same process as the runs it is compared with (same threads, same kernels)
         runs["reference"] = train(recipe, scenario, 0, world_size, "reference")
-    for mode in ("ddp", *(f"stage{s}" for s in STAGES)):
+    for mode in ("ddp", *(f"stage{s}" for s in stages)):
         runs[mode] = train(recipe, scenario, rank, world_size, mode)
     return runs
 
 
-def unknown_optimizer(rank: int, world_size: int) -> dict:
-    """:class:`NormalizedSGD` stepped whole (every stage, warnings recorded) and declared elementwise."""
+def unknown_optimizer(rank: int, world_size: int, stages: tuple[int, ...] = STAGES,
+                      declared: tuple[int, ...] = DECLARED_STAGES) -> dict:
+    """:class:`NormalizedSGD` stepped whole (at ``stages``, warnings recorded) and declared elementwise (at
+    ``declared``)."""
     out = {"whole": {}, "declared": {}, "warnings": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out["whole"] = _runs("normalized", "plain", rank, world_size)
+        out["whole"] = _runs("normalized", "plain", rank, world_size, stages)
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
-    for stage in DECLARED_STAGES:
+    for stage in declared:
         settings = {"elementwise_optimizers": ["NormalizedSGD"]}
         out["declared"][stage] = train("normalized", "plain", rank, world_size, f"stage{stage}", settings)
     return out
@@ -248,29 +272,32 @@ def bf16_run(rank: int, world_size: int, stage: int) -> torch.Tensor:
     return masters
 
 
-def bf16_parity(rank: int, world_size: int) -> dict:
+def bf16_parity(rank: int, world_size: int, stages: tuple[int, ...] = STAGES) -> dict:
     out = {"ddp": bf16_recipe(rank, world_size, ddp=True)}
     if rank == 0:
         out["reference"] = bf16_recipe(0, 1, ddp=False)
-    for stage in STAGES:
+    for stage in stages:
         out[stage] = bf16_run(rank, world_size, stage)
     return out
 
 
-def optimizer_checks(rank: int, world_size: int) -> dict:
-    """Everything one world runs (recipes missing here are left out: the tests skip them)."""
+def optimizer_checks(rank: int, world_size: int, matrix: dict = MATRIX) -> dict:
+    """Everything one world runs (recipes missing here are left out: the tests skip them), at ``matrix``'s stages
+    (``QUICK_MATRIX`` under ``--quick``), returned with the results."""
     runs = {}
-    for recipe in ("muon_adamw", "adafactor", "lamb", "lamb_prenorm", "soap"):
+    for recipe in PLAIN:
         if missing(recipe) is None:
-            runs[(recipe, "plain")] = _runs(recipe, "plain", rank, world_size)
-    out: dict = {"runs": runs, "unknown": unknown_optimizer(rank, world_size)}
+            runs[(recipe, "plain")] = _runs(recipe, "plain", rank, world_size, matrix["runs"][(recipe, "plain")])
+    out: dict = {"matrix": matrix, "runs": runs,
+                 "unknown": unknown_optimizer(rank, world_size, matrix["unknown"], matrix["declared"])}
     if missing("muon_adamw") is None:
         for scenario in ("accum", "clip"):
-            runs[("muon_adamw", scenario)] = _runs("muon_adamw", scenario, rank, world_size)
+            stages = matrix["runs"][("muon_adamw", scenario)]
+            runs[("muon_adamw", scenario)] = _runs("muon_adamw", scenario, rank, world_size, stages)
         out["prefetch"] = train("muon_adamw", "plain", rank, world_size, "stage3", {"prefetch_units": 2})
         with warnings.catch_warnings():  # (AdamW's foreach host step is the reference's: no fused kernel here)
             warnings.filterwarnings("ignore", "offloaded AdamW steps on the host")
             out["offload"] = {stage: train("muon_adamw", "plain", rank, world_size, f"stage{stage}",
-                                           {"offload": {"optimizer": "cpu"}}) for stage in OFFLOAD_STAGES}
-        out["bf16"] = bf16_parity(rank, world_size)
+                                           {"offload": {"optimizer": "cpu"}}) for stage in matrix["offload"]}
+        out["bf16"] = bf16_parity(rank, world_size, matrix["bf16"])
     return out

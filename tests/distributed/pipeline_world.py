@@ -170,23 +170,38 @@ def _held_state(pipe: Pipe) -> dict[str, torch.Tensor]:
     return {k: v for i in pipe.mine for k, v in _state(pipe.parts[i]).items()}
 
 
+STAGES = (0, 1, 2, 3)
+# the stages each schedule runs at, those of zero with torch's own stage under 1F1B (stage 0: whole gradients; 2: the
+# guard scaled in place) and the schedules run at stage 3 with blocks as units
+FULL = {"schedules": {name: STAGES for name in (*SCHEDULES, *ZERO_BUBBLE)}, "torch_stages": (0, 2),
+        "blocks": ("1f1b", "interleaved")}
+QUICK = {  # --quick: every schedule once and every stage once, where its path differs most from the others
+    "schedules": {"gpipe": (1,),
+                  "1f1b": (0,),  # stage 0's all-reductions (torch's own stage: at stage 2)
+                  "interleaved": (2,),  # two parts under one optimizer: the reduction waits for the last one
+                  "zero_bubble": (3,),  # the weight pass reads the units kept gathered since the input pass
+                  "zbv": (2,)},  # the weight pass's gradients, written past the hooks, handed to the reduction
+    "torch_stages": (2,),  # scale_grads' division of the guard applied to the shards
+    "blocks": ("interleaved",),  # stage 3, two parts per rank: their ModuleList has no forward to gather a root unit
+}
 
-def pipeline_checks(rank: int, world_size: int, stages: tuple[int, ...], torch_stages: tuple[int, ...]) -> dict:
-    """dp ``world_size // 2`` x pp 2: the reference, then FSDP2 + pipelining and zero at ``stages`` under each
-    schedule, and zero with torch's own stage under 1F1B at ``torch_stages`` (the
-    same on every rank; each returns the lot)."""
+
+def pipeline_checks(rank: int, world_size: int, runs: dict) -> dict:
+    """dp ``world_size // 2`` x pp 2: the reference, then FSDP2 + pipelining under each schedule and zero at its
+    stages of ``runs`` (FULL or QUICK, returned as ``"matrix"``), zero with torch's own stage under 1F1B at
+    ``runs["torch_stages"]`` and with blocks as units (the same on every rank; each returns the lot)."""
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "pp"))
-    out: dict = {"reference": reference(mesh["dp"].size() * MICRO * MICRO_BATCH)}
-    for name in (*SCHEDULES, *ZERO_BUBBLE):
+    out: dict = {"matrix": runs, "reference": reference(mesh["dp"].size() * MICRO * MICRO_BATCH)}
+    for name, stages in runs["schedules"].items():
         out[name, "fsdp2"] = fsdp2(mesh, name)
         for stage in stages:
             out[name, stage] = zero_pipeline(mesh, name, stage)
-    for stage in torch_stages:
+    for stage in runs["torch_stages"]:
         out["1f1b", stage, "torch_stage"] = zero_pipeline(mesh, "1f1b", stage, torch_stage=True)
-    if 3 in stages:  # blocks as units (each part owning the rest): resharded as usual, kept over the step's backwards
-        for name in ("1f1b", "interleaved"):
-            out[name, 3, "blocks"] = zero_pipeline(mesh, name, 3, unit_classes=["LlamaBlock"])
-            out[name, 3, "blocks_kept"] = zero_pipeline(mesh, name, 3, kept=True, unit_classes=["LlamaBlock"])
+    # blocks as units (each part owning the rest): resharded as usual, kept over the step's backwards
+    for name in runs["blocks"]:
+        out[name, 3, "blocks"] = zero_pipeline(mesh, name, 3, unit_classes=["LlamaBlock"])
+        out[name, 3, "blocks_kept"] = zero_pipeline(mesh, name, 3, kept=True, unit_classes=["LlamaBlock"])
     out["refusals"] = _refusals(mesh)
     return _merged(out, mesh)
 

@@ -6,6 +6,8 @@
 * fp16 overflows injected on one rank only: the skipped steps and the scale sequence of every
   rank against ``torch.amp.GradScaler`` in one process;
 * memory after a step against the ZeRO paper's mixed-precision formulas, and traffic by dtype.
+
+``MATRIX`` says which stages and dtypes each part runs at (``QUICK_MATRIX`` under ``--quick``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,20 @@ BF16_STEPS = 6
 FP16_STEPS = 8
 OVERFLOW_STEPS = (1, 4, 5)  # the loss times 1e30 on these steps, on one rank only
 FP16_POLICY = {"param_dtype": "fp16", "loss_scale": {"init_scale": 2.0**10, "growth_interval": 2}}
+MATRIX = {  # what the world runs: bf16 parity (stage: reduce dtypes), fp16 overflows (stages), memory (stage: dtypes)
+    "bf16": {stage: (None, "bf16") for stage in STAGES},
+    "fp16": STAGES,
+    "memory": {stage: ("bf16", "fp32") for stage in STAGES},
+}
+QUICK_MATRIX = {  # --quick: bf16 at every stage (the default fp32 reduction), each other path once, where it differs
+    # bf16 reduction at stage 1: reduce-scattered in place in the whole bf16 gradient buffer (no staging buffer,
+    # no separate fp32 shard beside it), the path furthest from the default's
+    "bf16": {0: (None,), 1: (None, "bf16"), 2: (None,), 3: (None,)},
+    "fp16": (3,),  # a skipped step at stage 3: local gradients checked before they are freed, shards left as they were
+    # memory at stage 1: whole gradients beside a reduced shard, the only stage that keeps both (the fp32 reduction's
+    # shard beside the bf16 buffer; its staging buffer freed). Every stage's fp32 formula: test_parity_world.py
+    "memory": {1: ("bf16", "fp32")},
+}
 
 
 def _gpt() -> GPT:
@@ -79,12 +95,14 @@ def bf16_run(rank: int, world_size: int, stage: int, reduce_dtype: str | None) -
     }
 
 
-def bf16_parity(rank: int, world_size: int) -> dict:
+def bf16_parity(rank: int, world_size: int, runs: dict) -> dict:
+    """The recipe under DDP, in one process (rank 0), and ZeroOptimizer under bf16 at each stage of ``runs`` with
+    each of its reduce dtypes."""
     out = {"ddp": recipe(rank, world_size, ddp=True)}
     if rank == 0:
         out["reference"] = recipe(0, 1, ddp=False)
-    for stage in STAGES:
-        for reduce_dtype in (None, "bf16"):
+    for stage, reduce_dtypes in runs.items():
+        for reduce_dtype in reduce_dtypes:
             out[(stage, reduce_dtype)] = bf16_run(rank, world_size, stage, reduce_dtype)
     return out
 
@@ -166,16 +184,18 @@ def fresh_tensors(rank: int, world_size: int, mode: str) -> torch.Tensor:
     return master_weights(opt)
 
 
-def precision_checks(rank: int, world_size: int) -> dict:
-    out = {"bf16": bf16_parity(rank, world_size)}
+def precision_checks(rank: int, world_size: int, matrix: dict = MATRIX) -> dict:
+    """Everything this world runs (the module docstring): ``matrix``'s part of it (``QUICK_MATRIX`` under
+    ``--quick``), returned with the results."""
+    out = {"matrix": matrix, "bf16": bf16_parity(rank, world_size, matrix["bf16"])}
     modes = ("ddp", *(f"stage{stage}" for stage in STAGES)) + (("reference",) if rank == 0 else ())
     out["fresh"] = {mode: fresh_tensors(rank, world_size, mode) for mode in modes}
     if rank == 0:
         out["grad_scaler"] = grad_scaler_reference()
-    out["fp16"] = {stage: fp16_overflows(rank, world_size, stage) for stage in STAGES}
+    out["fp16"] = {stage: fp16_overflows(rank, world_size, stage) for stage in matrix["fp16"]}
     out["memory"] = {
         (stage, reduce_dtype): mixed_memory(rank, world_size, stage, reduce_dtype)
-        for stage in STAGES
-        for reduce_dtype in ("bf16", "fp32")
+        for stage, reduce_dtypes in matrix["memory"].items()
+        for reduce_dtype in reduce_dtypes
     }
     return out

@@ -109,8 +109,9 @@ def compiled_stage3_matches(rank: int, world_size: int) -> float:
     return max_diff(run(True), run(False))
 
 
-def stage3_checks(rank: int, world_size: int) -> dict:
-    """Everything this world runs (see the module docstring)."""
+def stage3_checks(rank: int, world_size: int, compile_: bool = True) -> dict:
+    """Everything this world runs (see the module docstring); ``compile_`` False (``--quick``): all but
+    ``torch.compile``."""
     return {
         "traffic3": {keep: stage3_traffic(rank, world_size, keep) for keep in (True, False)},
         "gpt2": hf_parity(rank, world_size, 3, "gpt2"),
@@ -119,5 +120,5 @@ def stage3_checks(rank: int, world_size: int) -> dict:
         "inference": inference_matches(rank, world_size),
         # compiling is most of this world's time: at 2 ranks only (the gathers are real; at 1 rank see
         # tests/unit/test_user_paths.py, and 3 ranks' uneven shards change nothing the compiled units see)
-        "compiled3": compiled_stage3_matches(rank, world_size) if world_size == 2 else None,
+        "compiled3": compiled_stage3_matches(rank, world_size) if compile_ and world_size == 2 else None,
     }

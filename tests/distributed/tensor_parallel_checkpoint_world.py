@@ -42,6 +42,11 @@ LOADS = {
     "muon-dp1xtp4-stage2": ("muon", (1, 4), True, 2),
     "muon-dp4-stage3": ("muon", 4, False, 3),
 }
+# --quick: the checkpoint at stage 1 (the one the schema's refusals edit) and Muon's; loaded at tp 4 (AdamW's state
+# re-cut to other boxes, the weights alone, the resumed steps) and without TP (every box, the Replicate() norms and
+# the row-wise embedding among them, and Muon's whole state into plain parameters sharded over dp 4, at stage 3)
+QUICK_SAVED = (1, "muon")
+QUICK_LOADS = ("dp1xtp4-stage2", "muon-dp4-stage3")
 
 
 def _model(seed: int) -> LlamaGPT:
@@ -178,11 +183,13 @@ def _load(path: str, where, sequence_parallel: bool, stage: int, muon: bool) -> 
     return out | {"losses": losses, "params4": params}
 
 
-def checkpoint_checks(rank: int, world_size: int, root: str) -> dict:
-    """Save at dp 2 x tp 2 (``SAVED``), load as ``LOADS`` says; rank 0's results, and the reference."""
-    out: dict = {"saved": {saved: _save(os.path.join(root, str(saved)), stage, muon)
-                           for saved, (stage, muon) in SAVED.items()}}
-    for name, (saved, where, sequence_parallel, stage) in LOADS.items():
+def checkpoint_checks(rank: int, world_size: int, root: str, saves: tuple = tuple(SAVED),
+                      loads: tuple = tuple(LOADS)) -> dict:
+    """Save at dp 2 x tp 2 (``saves`` of ``SAVED``), load as ``LOADS`` says (``loads``); rank 0's results, and the
+    reference."""
+    out: dict = {"saved": {saved: _save(os.path.join(root, str(saved)), *SAVED[saved]) for saved in saves}}
+    for name in loads:
+        saved, where, sequence_parallel, stage = LOADS[name]
         out[name] = _load(os.path.join(root, str(saved)), where, sequence_parallel, stage, SAVED[saved][1])
     if rank == 0:
         out["reference"] = reference()

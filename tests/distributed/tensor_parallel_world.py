@@ -213,7 +213,6 @@ def _local_numel(model: torch.nn.Module) -> int:
     return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
-
 # features composed with TP (plan 2): name -> (stage, micro-batches, ZeroConfig fields)
 COMPOSED = {
     "accumulation": {"stage": 2, "micro": 2},
@@ -224,41 +223,60 @@ COMPOSED = {
     "zeroed-1": {"stage": 1, "clear": False},  # model.zero_grad(set_to_none=False) on the DTensor guards
     "zeroed-2": {"stage": 2, "clear": False},
 }
-FROZEN_BF16_STAGES = (1, 3)
+STAGES = (0, 1, 2, 3)
+PLAIN = {"plans": {plan: STAGES for plan in PLANS}}  # the plans alone, at every stage (the dp 3 mesh)
+# the 2 x 2 mesh: the plans, the features composed with TP (COMPOSED's names), the stages of frozen parameters under
+# bf16, Muon and bf16 parameters, and the FSDP2 anchors of the per-head q/k norms (declared; left plain: its drift);
+# then the profiler and the refusals
+FULL = PLAIN | {"composed": tuple(COMPOSED), "frozen-bf16": (1, 3), "muon": (1, 3), "bf16": (1, 3),
+                "qk": ("fsdp2", "fsdp2_plain")}
+QUICK = {  # --quick: every stage, plan and feature once, where its path differs most from the others
+    "plans": {"plan1": (3,),  # plain embedding, norms and head next to DTensors, sharded with them over dp
+              "plan2": (0,)},  # stage 0's whole gradients (1: frozen-1, zeroed-1; 2: accumulation, qk; 3: the rest)
+    "composed": ("accumulation", "offload", "checkpointing",
+                 "frozen-1",  # the frozen row-wise embedding kept whole (sharded with its unit: frozen-bf16 at 3)
+                 "zeroed-1"),  # zeroed in place: a DTensor guard that holds no values
+    "frozen-bf16": (3,),  # bf16 shards over fp32 masters, the frozen embedding sharded with its unit
+    "muon": (3,),  # the owner gathers its matrix over tp, the parameter sharded over dp as well
+    "bf16": (),  # (bf16 parameters: frozen-bf16, held to FSDP2's bf16 deviation)
+    "qk": ("fsdp2",),  # (the plain q/k norms' FSDP2 drift is torch's; zero's refusal of them runs)
+}
 
 
-def tensor_parallel_checks(rank: int, world_size: int, tp: int, stages: tuple[int, ...], full: bool) -> dict:
-    """Everything one dp x tp world runs; rank 0's results (the reference is the same everywhere). ``full``: also the
-    features composed with TP, the q/k norms and the refusals."""
+def tensor_parallel_checks(rank: int, world_size: int, tp: int, runs: dict) -> dict:
+    """Everything one dp x tp world runs (``runs``: PLAIN, FULL or QUICK, returned as ``"matrix"``); rank 0's results
+    (the reference is the same everywhere). With ``runs["composed"]``: also the features composed with TP, the q/k
+    norms, the profiler and the refusals."""
     dp = world_size // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     global_batch = 4 * dp
-    out: dict = {"reference": reference(global_batch)}
+    out: dict = {"matrix": runs, "reference": reference(global_batch)}
     for plan, sp in PLANS.items():
         out[plan, "fsdp2"] = fsdp2_tp(mesh, sp, global_batch)
-        for stage in stages:
+        for stage in runs["plans"][plan]:
             out[plan, stage] = zero_tp(mesh, sp, stage, global_batch)
-    if not full:
+    if "composed" not in runs:
         return out if rank == 0 else {}
     out["frozen", "reference"] = reference(global_batch, frozen=True)
-    for name, config in COMPOSED.items():
-        out[name] = zero_tp(mesh, True, global_batch=global_batch, **config)
-    for stage in FROZEN_BF16_STAGES:
+    for name in runs["composed"]:
+        out[name] = zero_tp(mesh, True, global_batch=global_batch, **COMPOSED[name])
+    for stage in runs["frozen-bf16"]:
         out["frozen-bf16", stage] = zero_tp(mesh, True, stage, global_batch, frozen=True,
                                             precision={"param_dtype": "bf16"})
     out["muon", "reference"] = reference_muon(global_batch)
     out["muon", "noise"] = reference_muon(global_batch, noise=MUON_NOISE)
-    for stage in (1, 3):
+    for stage in runs["muon"]:
         out["muon", stage] = zero_tp(mesh, True, stage, global_batch, optimizers=muon_adamw)
-    out["bf16", "reference"] = reference_bf16(global_batch)
+    if runs["bf16"]:
+        out["bf16", "reference"] = reference_bf16(global_batch)
     out["bf16", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, bf16=True)
-    for stage in (1, 3):
+    for stage in runs["bf16"]:
         out["bf16", stage] = zero_tp(mesh, True, stage, global_batch, precision={"param_dtype": "bf16"})
     qk = LlamaConfig(**{**CFG.__dict__, "qk_norm": True})
     out["profile"] = profiled(mesh, 3, global_batch)
     out["qk", "reference"] = reference(global_batch, qk)
-    out["qk", "fsdp2"] = fsdp2_tp(mesh, True, global_batch, qk)
-    out["qk", "fsdp2_plain"] = fsdp2_tp(mesh, True, global_batch, qk, declared=False)
+    for anchor in runs["qk"]:
+        out["qk", anchor] = fsdp2_tp(mesh, True, global_batch, qk, declared=anchor == "fsdp2")
     out["qk", 2] = zero_tp(mesh, True, 2, global_batch, qk)
     out["qk", "plain_error"] = value_error(lambda: zero_tp(mesh, True, 2, global_batch, qk, declared=False))
     out["refusals"] = _refusals(mesh)

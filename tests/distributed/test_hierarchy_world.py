@@ -18,10 +18,10 @@ import torch
 
 from tests.distributed.harness import run_world
 from tests.distributed.hierarchy_world import (
-    HPZ_RUNS,
+    QUICK_MATRIX,
+    QUICK_TRAFFIC,
     SCENARIOS,
     SHARD_SIZE,
-    STAGES,
     WORLD_SIZE,
     hierarchy_checks,
 )
@@ -35,6 +35,7 @@ from tests.distributed.traffic_world import (
 )
 from tests.distributed.worlds import BUCKET_MB as LAYOUT_BUCKET_MB
 from tests.distributed.worlds import build_model
+from tests.quick import is_quick
 from tests.readouts import max_diff
 from zero.estimator import Workload
 
@@ -44,15 +45,18 @@ QUANTIZED_LOSS_RTOL = 0.02  # six Adam steps on int8 weights and gradients: obse
 
 
 @pytest.fixture(scope="module")
-def hierarchy_world(tmp_path_factory):
-    return run_world(hierarchy_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("hsdp")), timeout_s=600)
+def hierarchy_world(request, tmp_path_factory):
+    quick = (QUICK_MATRIX, QUICK_TRAFFIC) if is_quick(request) else ()  # (--quick: part of the matrix, tests/quick.py)
+    return run_world(hierarchy_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("hsdp")), *quick, timeout_s=600)
 
 
 @pytest.mark.parametrize("kind,scenario", SCENARIOS, ids=lambda x: x)
 def test_hierarchical_stages_train_like_single_process(hierarchy_world, kind, scenario):
     runs = hierarchy_world[0]["parity"]
     ref = runs[(kind, scenario, "reference")]
-    for stage in (*STAGES, *HPZ_RUNS):
+    stages = hierarchy_world[0]["matrix"][(kind, scenario)]  # stages 1-3 and hpZ's runs; fewer under --quick
+    assert stages
+    for stage in stages:
         ours = runs[(kind, scenario, stage)]
         for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"], strict=True)):
             assert a == pytest.approx(b, rel=LOSS_RTOL), f"stage {stage}, step {step}"
@@ -159,8 +163,14 @@ def test_gathers_outside_training_are_exact_under_quantized_weights(hierarchy_wo
         assert torch.equal(q["closed"], q["after"])  # close() gives back the masters, not int8 copies
 
 
-@pytest.mark.parametrize("case", range(len(HIERARCHY_CASES)), ids=lambda i: "-".join(
-    [f"stage{HIERARCHY_CASES[i][0]}", HIERARCHY_CASES[i][1], *(f"{k}={v}" for k, v in HIERARCHY_CASES[i][2].items())]))
+def _case_id(i: int) -> str:
+    stage, precision, communication = HIERARCHY_CASES[i]
+    return "-".join([f"stage{stage}", precision, *(f"{k}={v}" for k, v in communication.items())])
+
+
+@pytest.mark.parametrize("case", [  # the cases a --quick world does not run: full_only (tests/quick.py)
+    pytest.param(i, id=_case_id(i), marks=() if i in QUICK_TRAFFIC else pytest.mark.full_only)
+    for i in range(len(HIERARCHY_CASES))])
 def test_the_estimator_prices_each_levels_traffic_exactly(hierarchy_world, case):
     """``zero.estimate``'s traffic (``traffic_world``): calls, elements and bytes on the wire of every kind, inside
     the groups and across them (``inter_<kind>``), equal ``opt.comm_stats``' of a steady step on every rank."""

@@ -16,28 +16,33 @@ import pytest
 
 from tests.distributed.harness import run_world
 from tests.distributed.pipeline_world import (
+    FULL,
     MICRO,
+    QUICK,
     SCHEDULES,
+    STAGES,
     ZERO_BUBBLE,
     pipeline_checks,
     rel_l2,
     three_d_checks,
 )
 from tests.distributed.tensor_parallel_world import loss_gap, norm_gap
+from tests.quick import full_only_beyond, is_quick
 
 pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
 
 FACTOR, FLOOR = 3.0, 1e-6
 LOSS_TOL = 1e-5
 NORM_RTOL = 1e-4
-STAGES = (0, 1, 2, 3)
-TORCH_STAGES = (0, 2)  # torch's own PipelineStage: stage 0 (whole gradients) and 2 (the guard scaled in place)
 RUNS = [(name, stage) for name in (*SCHEDULES, *ZERO_BUBBLE) for stage in STAGES]
+QUICK_RUNS = [(name, stage) for name, stages in QUICK["schedules"].items() for stage in stages]
+RUN_PARAMS = [pytest.param(name, stage, id=f"{name}-stage{stage}",  # (as full_only_beyond does, ids kept)
+                           marks=() if (name, stage) in QUICK_RUNS else pytest.mark.full_only) for name, stage in RUNS]
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(pipeline_checks, 4, STAGES, TORCH_STAGES)[0]
+def world(request):
+    return run_world(pipeline_checks, 4, QUICK if is_quick(request) else FULL)[0]
 
 
 def _like_fsdp2(run: dict, anchor: dict, ref: dict, what: str) -> None:
@@ -47,13 +52,13 @@ def _like_fsdp2(run: dict, anchor: dict, ref: dict, what: str) -> None:
     assert norm_gap(run, ref) <= NORM_RTOL, f"{what}: clip norms {run['norms']} vs {ref['norms']}"
 
 
-@pytest.mark.parametrize("schedule, stage", RUNS, ids=[f"{n}-stage{s}" for n, s in RUNS])
+@pytest.mark.parametrize("schedule, stage", RUN_PARAMS)
 def test_trains_like_single_process(world, schedule, stage):
     """torch's schedules at their defaults over zero.pipelining.PipelineStage: exact, the clip over the pipeline."""
     _like_fsdp2(world[schedule, stage], world[schedule, "fsdp2"], world["reference"], f"{schedule} stage {stage}")
 
 
-@pytest.mark.parametrize("stage", TORCH_STAGES)
+@pytest.mark.parametrize("stage", full_only_beyond(FULL["torch_stages"], QUICK["torch_stages"]))
 def test_torch_own_stage_is_exact_with_the_pipeline_from_the_mesh(world, stage):
     """torch's own PipelineStage, ZeroOptimizer(..., mesh=mesh) with a "pp" dimension: scale_grads' p.grad.div_ on
     the guard is applied to the shards, the clip adds up over pp."""
@@ -61,7 +66,7 @@ def test_torch_own_stage_is_exact_with_the_pipeline_from_the_mesh(world, stage):
     _like_fsdp2(run, world["1f1b", "fsdp2"], world["reference"], f"torch's stage, stage {stage}")
 
 
-@pytest.mark.parametrize("schedule", ("1f1b", "interleaved"))
+@pytest.mark.parametrize("schedule", full_only_beyond(FULL["blocks"], QUICK["blocks"]))
 def test_stage3_units_kept_over_the_step_gather_less(world, schedule):
     """LlamaBlock units (each part owning the rest; with two parts per rank the ModuleList of parts has no forward
     to gather a root unit), resharded after each backward or kept gathered from their first backward to the step
@@ -85,10 +90,12 @@ def test_fsdp2_anchor_is_exact(world):
 def test_one_reduction_per_bucket_per_step(world, stage):
     """4 micro-batches: zero's stage reduce-scatters each bucket once per step; torch's own stage once per
     micro-batch (what the drop-in saves)."""
-    for name in SCHEDULES:
+    names = [name for name in SCHEDULES if stage in world["matrix"]["schedules"][name]]  # under --quick: one
+    assert names
+    for name in names:
         run = world[name, stage]
         assert [t["reduce_scatter"] for t in run["traffic"]] == [run["buckets"]] * 3, (name, run["traffic"])
-    if stage in TORCH_STAGES:
+    if stage in world["matrix"]["torch_stages"]:
         run = world["1f1b", stage, "torch_stage"]
         assert [t["reduce_scatter"] for t in run["traffic"]] == [MICRO * run["buckets"]] * 3, run["traffic"]
 
@@ -111,12 +118,11 @@ THREE_D_STAGES = (1, 3)
 
 
 @pytest.fixture(scope="module")
-def world_3d(request):
-    if request.config.getoption("--quick", default=False):
-        pytest.skip("--quick: the 2-D world only")
+def world_3d():
     return run_world(three_d_checks, 8, THREE_D_STAGES)[0]
 
 
+@pytest.mark.full_only  # --quick: the 2-D world (each part's TP is test_tensor_parallel_world's)
 @pytest.mark.parametrize("plan", ("plan1", "plan2"))
 @pytest.mark.parametrize("stage", THREE_D_STAGES)
 def test_dp_tp_pp_trains_like_single_process(world_3d, plan, stage):

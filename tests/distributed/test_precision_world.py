@@ -14,23 +14,26 @@ import pytest
 import torch
 
 from tests.distributed.harness import world_fixture
-from tests.distributed.precision_world import STAGES, precision_checks
+from tests.distributed.precision_world import QUICK_MATRIX, STAGES, precision_checks
+from tests.quick import full_only_beyond
 from tests.toy import FreshTensors
 from zero.estimator.estimator import model_states
 
 pytestmark = pytest.mark.heavy  # a module of a minute or more: run first (tests/conftest.py)
 
-precision = world_fixture(precision_checks)  # (world_size, each rank's precision_checks)
+# (world_size, each rank's precision_checks); --quick runs QUICK_MATRIX's part (tests/quick.py)
+precision = world_fixture(precision_checks, quick_args=(QUICK_MATRIX,))
 
-REDUCE = (None, "bf16")
+REDUCE = {None: "reduce_fp32", "bf16": "reduce_bf16"}  # the reduce dtypes, by id
 
 
-
-
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("reduce_dtype", REDUCE, ids=["reduce_fp32", "reduce_bf16"])
+@pytest.mark.parametrize("stage,reduce_dtype", [  # the runs a --quick world does not make: full_only
+    pytest.param(stage, reduce_dtype, id=f"{name}-{stage}",
+                 marks=() if reduce_dtype in QUICK_MATRIX["bf16"].get(stage, ()) else pytest.mark.full_only)
+    for reduce_dtype, name in REDUCE.items() for stage in STAGES])
 def test_bf16_trains_like_the_hand_built_recipe(precision, stage, reduce_dtype):
     world_size, results = precision
+    assert reduce_dtype in results[0]["matrix"]["bf16"][stage]
     bf16 = results[0]["bf16"]
     ref = bf16["reference"]
     ours = bf16[(stage, reduce_dtype)]["masters"]
@@ -65,7 +68,7 @@ def test_fp32_tensors_made_inside_forward_are_cast_where_they_enter_a_bf16_modul
         assert torch.equal(other["fresh"][f"stage{stage}"], ours), f"rank {rank}"
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", full_only_beyond(STAGES, QUICK_MATRIX["fp16"]))
 def test_fp16_overflow_on_one_rank_skips_the_same_steps_on_every_rank(precision, stage):
     _, results = precision
     expected = results[0]["grad_scaler"]
@@ -83,7 +86,11 @@ def test_traffic_moves_param_dtype_gathers_and_reduce_dtype_reductions(precision
     world_size, results = precision
     if world_size == 1:
         pytest.skip("a world of one skips its collectives")
+    reduce_dtypes = results[0]["matrix"]["bf16"][stage]  # both; the default only at most stages under --quick
+    assert reduce_dtypes
     for reduce_dtype, reduce_bytes in ((None, 4), ("bf16", 2)):
+        if reduce_dtype not in reduce_dtypes:
+            continue
         run = results[0]["bf16"][(stage, reduce_dtype)]
         stats, padded = run["comm_stats"], run["padded_numel"]
         assert run["transients_freed"]
@@ -98,7 +105,7 @@ def test_traffic_moves_param_dtype_gathers_and_reduce_dtype_reductions(precision
             assert stats["all_gather"]["numel"] == padded
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", full_only_beyond(STAGES, QUICK_MATRIX["memory"]))
 def test_model_state_is_the_mixed_precision_formula(precision, stage):
     """reduce_dtype = param_dtype gives the ZeRO paper's buffers: stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N,
     stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N (padding, guards and Adam's step counters within 1%).

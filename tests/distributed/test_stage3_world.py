@@ -8,7 +8,8 @@ import pytest
 from tests.distributed.harness import world_fixture
 from tests.distributed.stage3_world import stage3_checks
 
-world = world_fixture(stage3_checks)
+# --quick: all but torch.compile, most of the world's time (tests/unit/test_user_paths.py compiles at stage 3)
+world = world_fixture(stage3_checks, quick_args=(False,))
 
 
 def test_stage3_traffic_is_three_psi_or_two_when_kept_for_backward(world):
@@ -59,6 +60,7 @@ def test_stage3_inference_under_no_grad(world):
         assert r["inference"]["gathered_after"] == 0  # nothing stays gathered after a no_grad forward
 
 
+@pytest.mark.full_only  # (--quick: test_user_paths.py's test_torch_compile_at_stage_3, one process, compiles)
 def test_stage3_under_torch_compile_trains_like_eager(world):
     """``torch.compile(model)`` at stage 3: the gathering hooks run eagerly, the units compile (at 2 ranks: see
     ``stage3_world.stage3_checks``)."""

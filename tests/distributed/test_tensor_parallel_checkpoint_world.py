@@ -26,7 +26,16 @@ import torch
 import zero
 from tests.checkpoints import rewrite_metadata
 from tests.distributed.harness import run_world
-from tests.distributed.tensor_parallel_checkpoint_world import LOADS, SAVED, STATE, _model, checkpoint_checks
+from tests.distributed.tensor_parallel_checkpoint_world import (
+    LOADS,
+    QUICK_LOADS,
+    QUICK_SAVED,
+    SAVED,
+    STATE,
+    _model,
+    checkpoint_checks,
+)
+from tests.quick import full_only_beyond, is_quick
 
 ADAMW = [name for name, (saved, *_) in LOADS.items() if not SAVED[saved][1]]  # the loads that train on
 
@@ -37,9 +46,10 @@ RESUME_RTOL = 1e-5  # from the run that never stopped (measured 5-7e-6: the 2 st
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_checkpoints")
-    return root, run_world(checkpoint_checks, 4, str(root))[0]
+    quick = (QUICK_SAVED, QUICK_LOADS) if is_quick(request) else ()
+    return root, run_world(checkpoint_checks, 4, str(root), *quick)[0]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,7 +60,7 @@ def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("saved", list(SAVED))
+@pytest.mark.parametrize("saved", full_only_beyond(SAVED, QUICK_SAVED))
 def test_format_boxes_and_parts(world, saved):
     """Format 4, 4 parts named by rank over dp x tp; a sharded tensor is one box per tp rank, a replicated one (a
     Replicate() norm under sequence parallelism) one box, written by tp rank 0 only (even parts)."""
@@ -76,7 +86,7 @@ def test_format_boxes_and_parts(world, saved):
         assert set(piece[4]) == {"step", *STATE}
 
 
-@pytest.mark.parametrize("load", list(LOADS))
+@pytest.mark.parametrize("load", full_only_beyond(LOADS, QUICK_LOADS))
 def test_loads_the_saved_values_bit_for_bit(world, load):
     _, out = world
     saved, loaded = out["saved"][LOADS[load][0]], out[load]["loaded"]
@@ -90,7 +100,7 @@ def test_loads_the_saved_values_bit_for_bit(world, load):
         assert torch.equal(out[load]["weights"], saved["params"])
 
 
-@pytest.mark.parametrize("load", ADAMW)
+@pytest.mark.parametrize("load", full_only_beyond(ADAMW, QUICK_LOADS))
 def test_resumed_training_matches_single_process(world, load):
     _, out = world
     ref, never_stopped, run = out["reference"], out["saved"][LOADS[load][0]], out[load]
@@ -101,7 +111,7 @@ def test_resumed_training_matches_single_process(world, load):
     assert max(abs(a - b) for a, b in zip(never_stopped["losses"], ref["losses"][2:])) <= LOSS_TOL
 
 
-@pytest.mark.parametrize("saved", list(SAVED))
+@pytest.mark.parametrize("saved", full_only_beyond(SAVED, QUICK_SAVED))
 def test_one_process_plain_model_and_consolidate(world, saved, tmp_path):
     root, out = world
     values = out["saved"][saved]["params"]

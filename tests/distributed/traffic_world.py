@@ -3,8 +3,8 @@
 * flat worlds: folded into ``codec_world`` (2 and 3 ranks), which trains a GPT anyway with quantized weights and
   gradients (ZeRO++ qwZ, qgZ) and with the identity codec; it also runs ``MIXED_CASES`` here (the wire's dtype
   under both mixed-precision policies);
-* hierarchical sharding: folded into ``hierarchy_world`` (4 ranks), which runs :func:`traffic_checks`: the
-  ``HIERARCHY_CASES`` as 2 shard groups of 2 (and one flat quantized case with 4-packet all-to-alls), and
+* hierarchical sharding: folded into ``hierarchy_world`` (4 ranks), which runs :func:`steady_step_stats` for
+  the ``HIERARCHY_CASES`` as 2 shard groups of 2 (and one flat quantized case with 4-packet all-to-alls), and
   :func:`hpz_traffic_checks`: the ``HPZ_CASES`` (ZeRO++'s hpZ, groups of 2: forward's gathers over every rank,
   backward's and recomputation's inside the group, as ``intra_all_gather``).
 
@@ -76,11 +76,6 @@ def steady_step_stats(rank: int, world_size: int, cfg: GPTConfig, global_batch: 
     stats = measured(opt.comm_stats)
     opt.close()
     return stats
-
-
-def traffic_checks(rank: int, world_size: int) -> list[dict[str, dict[str, int]]]:
-    assert world_size == WORLD_SIZE
-    return [steady_step_stats(rank, world_size, CFG, GLOBAL_BATCH, BUCKET_MB, *case) for case in HIERARCHY_CASES]
 
 
 def hpz_traffic_checks(rank: int, world_size: int) -> list[dict[str, dict[str, int]]]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zero
+from tests.quick import full_only_beyond
 from zero import ZeroConfig, ZeroOptimizer
 from zero.cli import estimate as estimate_cli
 from zero.cli import report as report_cli
@@ -273,7 +274,9 @@ def test_every_precision_the_estimator_prices_is_a_mixed_precision_policy():
 
 
 @pytest.mark.filterwarnings("ignore:offloaded AdamW steps on the host with its foreach kernel")
-@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+# --quick: mixed-fp32-reduce (the most a listed configuration sets: bf16 parameters, fp32 reduction); fp32 and mixed in
+# the full run
+@pytest.mark.parametrize("precision", full_only_beyond(sorted(PRECISIONS), ("mixed-fp32-reduce",)))
 def test_every_configuration_estimate_prints_is_one_zero_optimizer_runs(capsys, precision, tmp_path):
     """What ``zero estimate`` lists (fitting and not) is a valid ZeroConfig, and ZeroOptimizer trains a step with it."""
     path = tmp_path / "plan.json"

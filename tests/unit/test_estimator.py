@@ -14,6 +14,7 @@ import torch
 
 import zero
 from tests.inplace import InplaceNet, TinyResNet, resnet_loss
+from tests.quick import full_only_beyond
 from tests.readouts import forward_saved_bytes
 from tests.toy import FreshTensors, batch
 from zero import zero_model_state_bytes
@@ -229,7 +230,7 @@ def test_a_loss_with_a_backward_of_its_own_is_refused_by_name():
     assert estimate(plain, stage=3, world_size=2, micro_batch=2).peak > 0
 
 
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("stage", full_only_beyond(range(4), (3,)))  # --quick: 3 (units released in backward)
 def test_models_with_in_place_operations_are_estimated(stage):
     """torchvision's ResNet layout (``ReLU(inplace=True)``, ``out += identity``) and blocks that modify their input in
     place first (issue 33: tracing failed at every stage). Backward's end of each block is still seen (the point
@@ -242,7 +243,7 @@ def test_models_with_in_place_operations_are_estimated(stage):
     assert {f"blocks.{i}" for i in range(4)} <= done
 
 
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("stage", full_only_beyond(range(4), (3,)))  # --quick: 3 (bf16 units gathered); 0-2 in full
 def test_fp32_tensors_made_inside_forward_are_estimated_under_mixed_precision(stage):
     """The estimator casts where ZeroOptimizer casts (issue 37: the inputs of each module computing in bf16), so a
     model that makes fp32 tensors inside forward is traced (it failed on a dtype mismatch), and its estimate is the

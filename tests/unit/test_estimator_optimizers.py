@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero
+from tests.quick import full_only_beyond
 from tests.readouts import flat_params, halfway_offload
 from zero import ZeroOptimizer
 from zero.cli.main import main as cli_main
@@ -99,8 +100,11 @@ def test_each_whole_parameters_state_is_its_optimizers_own():
         assert factored[name] == 4 * (sum(shape) if len(shape) == 2 else shape[0]) + 4, name
 
 
-@pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("optimizers", OPTIMIZERS, ids=str)
+# --quick: each optimizer family once, each stage once: Muon and AdamW (flat and whole) at 3 (the parameters sharded
+# too), Adafactor (whole only) at 2, AdamW and SGD (flat only, the cheapest) at 0 and 1; every pair in the full run
+@pytest.mark.parametrize("optimizers,stage", full_only_beyond(
+    [(name, stage) for name in OPTIMIZERS for stage in range(4)],
+    {("muon+adamw", 3), ("adafactor", 2), ("adamw+sgd", 0), ("adamw+sgd", 1)}))
 def test_the_estimate_is_the_measured_peak_and_state(optimizers, stage):
     """World size 1: the owner (every parameter's) holds its whole gradient and master during the step. The state
     is the optimizers' own, exactly; the peak within 2%. With Muon its Newton-Schulz makes the peak, in bf16 matmuls
@@ -201,7 +205,7 @@ def test_a_declared_elementwise_optimizer_is_priced_on_the_flat_path():
     assert estimate(whole, **kw).peak > flat.peak  # (the owner step's whole tensors)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", full_only_beyond([1, 2, 3], (3,)))  # --quick: 3 (the sharded path); 1-2 in full
 def test_the_host_holds_the_offloaded_buckets_state_whole_parameters_included(stage):
     """Partial offload with Muon and AdamW: host memory is the offloaded buckets' host buffers, their pieces' AdamW
     state and the momentum of the matrices in them (on their owner: every one at world size 1)."""
@@ -228,12 +232,15 @@ def test_the_host_holds_the_offloaded_buckets_state_whole_parameters_included(st
     assert e.host == pytest.approx(buffers + state, abs=64)
 
 
-@pytest.mark.parametrize("optimizers", OPTIMIZERS, ids=str)
+# --quick: Muon and AdamW, a list with whole and flat parameters (Adafactor's whole ones alone and AdamW and SGD's flat
+# ones alone in the full run)
+@pytest.mark.parametrize("optimizers", full_only_beyond(OPTIMIZERS, ("muon+adamw",)), ids=str)
 def test_auto_ratio_prices_a_list_of_optimizers_and_whole_ones(optimizers):
     """``offload.ratio="auto"`` with Muon and AdamW (a list) and with Adafactor: the ratio the planner picks for the
     same workload, and training as without offload."""
     make = OPTIMIZERS[optimizers]
-    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=4, num_heads=2)
+    # 2 layers: 13 offload boundaries to search (4 layers had 23; every estimate traces the owner step again)
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=64, num_layers=2, num_heads=2)
     workload = _workload(make, cfg)
     kw = dict(stage=2, world_size=1, micro_batch=2, bucket_size_mb=0.05)
     budget, expected = halfway_offload(workload, **kw)

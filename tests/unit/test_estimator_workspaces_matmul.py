@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.quick import full_only_beyond
 from tests.unit.test_estimator_workspaces import _measured
 from zero.estimator.matmul_workspaces import bf16_kernel
 from zero.estimator.timeline import record_step
@@ -89,7 +90,10 @@ def test_bf16_matmul_workspaces_are_what_the_allocator_holds(case, threads):
 
 
 @pytest.mark.skipif(bf16_kernel() != "brgemm", reason="capping oneDNN reaches the other kernels from AVX512_BF16")
-@pytest.mark.parametrize("isa, kernel", [("AVX512_CORE", "gemm"), ("AVX2", "aten")])
+# --quick: AVX512_CORE (oneDNN's gemm: every Muon product holds a workspace); AVX2 in the full run (ATen's loops, which
+# --quick still prices in this process: the cases small and alpha-zero above)
+@pytest.mark.parametrize("isa, kernel", full_only_beyond([("AVX512_CORE", "gemm"), ("AVX2", "aten")],
+                                                         {("AVX512_CORE", "gemm")}))
 def test_the_kernels_of_cpus_without_avx512_bf16(isa, kernel):
     """oneDNN's gemm (no AVX512_BF16) and ATen's loops (no AVX-512): every case in a process capped at ``isa``."""
     ran = subprocess.run([sys.executable, "-m", "tests.unit.test_estimator_workspaces_matmul"], cwd=ROOT,

@@ -205,7 +205,10 @@ def test_a_rule_with_attribute_arguments_steps_as_in_one_process(stage):
 
 
 # ----- the owner step's own memory -------------------------------------------------------------------------------
-WIDE_GPT = GPTConfig(vocab_size=64, seq_len=8, d_model=256, num_layers=4, num_heads=4)
+# wide enough that the owned tensors make the owner step's peak: the ratios and the exact estimates below are the
+# same at every width measured from 96 to 256 (at 64 stage 1's estimate is 3% above; 128 steps Muon several times
+# faster than 256)
+WIDE_GPT = GPTConfig(vocab_size=64, seq_len=8, d_model=128, num_layers=4, num_heads=4)
 OWNER_STEP_RUNS = {"stage1": (1, None), "stage3": (3, None), "stage2-mixed": (2, {"param_dtype": "bf16"})}
 
 
@@ -219,7 +222,7 @@ def test_the_owner_step_holds_the_whole_tensors_and_the_received_pieces():
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
     ratios = {case: run["peak"] / run["owned"] for case, run in runs.items()}
-    assert ratios == pytest.approx({"stage1": 2.5, "stage3": 3.331, "stage2-mixed": 3.0}, abs=0.01), ratios
+    assert ratios == pytest.approx({"stage1": 2.5, "stage3": 3.329, "stage2-mixed": 3.0}, abs=0.01), ratios
     assert all(run["peak"] == run["estimated"] for run in runs.values()), runs
 
 
