@@ -2,7 +2,9 @@
 
 The full run (``python -m pytest``, what CI runs) checks every world size (1, 2 and 3 ranks) and every matrix.
 ``--quick`` keeps one multi-rank world size, 2 (the real gloo worlds are the expensive part), and leaves out the tests
-marked ``full_only`` (a larger copy of a check that a quick run makes once elsewhere).
+marked ``full_only``: a larger copy of a check that a quick run makes once elsewhere (every combination of a matrix,
+``tests/quick.py``), and the benchmark scripts' toy runs and the notebook (the repository's tools, whose library paths
+the worlds check).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# --quick: the bounds it reports are checked once by tests/distributed/test_hierarchy_world.py and test_codec_world.py
+pytestmark = pytest.mark.full_only
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 STEPS, FINAL, BLOCK = 10, 4, 64

@@ -15,7 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import optimizers  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9"),
+    pytest.mark.full_only,  # --quick: each whole update once per step is checked by test_optimizers_world.py
+]
 
 
 def test_the_toy_run_counts_each_whole_update_once(tmp_path):

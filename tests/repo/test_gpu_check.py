@@ -24,6 +24,7 @@ def _module():
     return module
 
 
+@pytest.mark.full_only  # --quick: the targets and the rendering below (the script's own run: every GPU test)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a GPU")
 def test_a_run_without_a_gpu_records_each_part_and_keeps_going(tmp_path):
     out = tmp_path / "gpu.json"
