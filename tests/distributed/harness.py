@@ -11,6 +11,7 @@ environment is the parent's when the server started: a world that needs other va
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import multiprocessing
 import socket
@@ -60,6 +61,10 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, args: tuple) -> None:
+    # What the fork server imported (some 400k objects, most of them transformers' and torch's) is left out of every
+    # garbage collection and of gc.get_objects(): a live-tensor scan or a collection took 0.2-0.4 s for them. The few
+    # tensors among them were made by the imports, before ``fn``: every memory check measures from a baseline after
+    gc.freeze()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
