@@ -15,6 +15,10 @@ import pytest
 
 from tests.distributed.harness import ROOT, free_port
 
+# --quick: the example's launch is left out; the library's side of it runs there once: shard_size="local" read from
+# torchrun's variables (tests/unit/test_quantization.py) and 2 shard groups of 2 trained (test_hierarchy_world.py)
+pytestmark = pytest.mark.full_only
+
 AGENTS, RANKS_PER_AGENT = 2, 2
 
 
@@ -60,7 +64,6 @@ def test_every_rank_trains_exactly_as_one_process(hierarchical):
     assert hierarchical[0]["reference_gap"] <= 1e-5
 
 
-@pytest.mark.full_only  # (quantized training at 4 ranks in 2 groups: also test_hierarchy_world.py)
 def test_with_int8_weights_and_gradients_the_losses_stay_within_two_percent():
     reports = launch("--quantized")
     assert [r["shard_group"] for r in reports] == [[0, 1], [0, 1], [2, 3], [2, 3]]
