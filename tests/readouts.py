@@ -39,6 +39,18 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+def steady_live_bytes() -> int:
+    """Live CPU tensor bytes once two readings a moment apart agree: a baseline taken while gloo's worker thread still
+    held an earlier collective's tensor (seen once at 3 ranks: 8 KiB) would put every later figure below the truth."""
+    now = live_tensor_bytes()
+    for _ in range(5):
+        time.sleep(0.05)
+        now, before = live_tensor_bytes(), now
+        if now == before:
+            break
+    return now
+
+
 def settled_live_bytes(baseline: int, held: int) -> int:
     """Live CPU tensor bytes above ``baseline``, re-measured for a moment until they equal ``held``: gloo's
     worker thread may hold a finished collective's tensor briefly."""

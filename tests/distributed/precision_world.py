@@ -18,11 +18,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.readouts import master_weights, settled_live_bytes
+from tests.readouts import master_weights, settled_live_bytes, steady_live_bytes
 from tests.recipes import MasterRecipe, grad_scaler_run
 from tests.toy import FreshTensors, Net, batch
 from zero import ZeroOptimizer
-from zero.memory import live_tensor_bytes
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
@@ -137,7 +136,7 @@ def fp16_overflows(rank: int, world_size: int, stage: int) -> dict:
 def mixed_memory(rank: int, world_size: int, stage: int, reduce_dtype: str) -> dict:
     """Live CPU bytes after one AdamW step under bf16, against what the optimizer says it holds."""
     gc.collect()
-    baseline = live_tensor_bytes()
+    baseline = steady_live_bytes()
     model = _gpt()
     precision = {"param_dtype": "bf16", "reduce_dtype": reduce_dtype}
     opt = ZeroOptimizer(_adamw(model.parameters()), model, stage=stage, precision=precision, bucket_size_mb=0.01)

@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.harness import global_mean
-from tests.readouts import flat_params, max_diff, settled_live_bytes
+from tests.readouts import flat_params, max_diff, settled_live_bytes, steady_live_bytes
 from zero import ZeroOptimizer
-from zero.memory import live_tensor_bytes, storage_bytes
+from zero.memory import storage_bytes
 from zero.models import GPT, GPTConfig, local_slice, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, num_layers=2, num_heads=2)
@@ -187,7 +187,7 @@ def _torch_clip(model: nn.Module):
 def memory_after_step(rank: int, world_size: int, stage: int) -> dict:
     """Live CPU tensor bytes after one AdamW step, against what the optimizer says it holds."""
     gc.collect()
-    baseline = live_tensor_bytes()
+    baseline = steady_live_bytes()
     model = build_model()
     opt = ZeroOptimizer(make_optimizer("adamw", model), model, stage=stage, bucket_size_mb=BUCKET_MB)
     x, y = synthetic_batch(0, GLOBAL_BATCH, CFG)
