@@ -8,7 +8,7 @@ A test parametrized over the full matrix marks the cases a quick world does not 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import pytest
@@ -19,10 +19,15 @@ def is_quick(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--quick", default=False))
 
 
-def full_only_beyond(values: Iterable[Any], kept: Collection[Any]) -> list[Any]:
+def full_only_beyond(values: Iterable[Any], kept: Collection[Any],
+                     case_id: Callable[[Any], str] | None = None) -> list[Any]:
     """``values`` for ``pytest.mark.parametrize``, each not in ``kept`` marked ``full_only`` (a tuple stays one case
-    of several arguments)."""
-    return [value if value in kept else
-            pytest.param(*(value if isinstance(value, tuple) else (value,)), marks=pytest.mark.full_only,
-                         id="-".join(map(str, value)) if isinstance(value, tuple) else str(value))
-            for value in values]
+    of several arguments); ``case_id``: each case's id (default: its values joined by "-")."""
+    def case(value: Any) -> Any:
+        args = value if isinstance(value, tuple) else (value,)
+        if value in kept and case_id is None:
+            return value  # (its id is parametrize's own)
+        marks = () if value in kept else pytest.mark.full_only
+        return pytest.param(*args, marks=marks, id=case_id(value) if case_id else "-".join(map(str, args)))
+
+    return [case(value) for value in values]

@@ -35,7 +35,7 @@ from tests.distributed.traffic_world import (
 )
 from tests.distributed.worlds import BUCKET_MB as LAYOUT_BUCKET_MB
 from tests.distributed.worlds import build_model
-from tests.quick import is_quick
+from tests.quick import full_only_beyond, is_quick
 from tests.readouts import max_diff
 from zero.estimator import Workload
 
@@ -168,9 +168,7 @@ def _case_id(i: int) -> str:
     return "-".join([f"stage{stage}", precision, *(f"{k}={v}" for k, v in communication.items())])
 
 
-@pytest.mark.parametrize("case", [  # the cases a --quick world does not run: full_only (tests/quick.py)
-    pytest.param(i, id=_case_id(i), marks=() if i in QUICK_TRAFFIC else pytest.mark.full_only)
-    for i in range(len(HIERARCHY_CASES))])
+@pytest.mark.parametrize("case", full_only_beyond(range(len(HIERARCHY_CASES)), QUICK_TRAFFIC, _case_id))
 def test_the_estimator_prices_each_levels_traffic_exactly(hierarchy_world, case):
     """``zero.estimate``'s traffic (``traffic_world``): calls, elements and bytes on the wire of every kind, inside
     the groups and across them (``inter_<kind>``), equal ``opt.comm_stats``' of a steady step on every rank."""

@@ -36,8 +36,7 @@ LOSS_TOL = 1e-5
 NORM_RTOL = 1e-4
 RUNS = [(name, stage) for name in (*SCHEDULES, *ZERO_BUBBLE) for stage in STAGES]
 QUICK_RUNS = [(name, stage) for name, stages in QUICK["schedules"].items() for stage in stages]
-RUN_PARAMS = [pytest.param(name, stage, id=f"{name}-stage{stage}",  # (as full_only_beyond does, ids kept)
-                           marks=() if (name, stage) in QUICK_RUNS else pytest.mark.full_only) for name, stage in RUNS]
+RUN_PARAMS = full_only_beyond(RUNS, QUICK_RUNS, lambda run: f"{run[0]}-stage{run[1]}")
 
 
 @pytest.fixture(scope="module")

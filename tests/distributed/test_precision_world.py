@@ -27,10 +27,10 @@ precision = world_fixture(precision_checks, quick_args=(QUICK_MATRIX,))
 REDUCE = {None: "reduce_fp32", "bf16": "reduce_bf16"}  # the reduce dtypes, by id
 
 
-@pytest.mark.parametrize("stage,reduce_dtype", [  # the runs a --quick world does not make: full_only
-    pytest.param(stage, reduce_dtype, id=f"{name}-{stage}",
-                 marks=() if reduce_dtype in QUICK_MATRIX["bf16"].get(stage, ()) else pytest.mark.full_only)
-    for reduce_dtype, name in REDUCE.items() for stage in STAGES])
+@pytest.mark.parametrize("stage,reduce_dtype", full_only_beyond(
+    [(stage, reduce_dtype) for reduce_dtype in REDUCE for stage in STAGES],
+    {(stage, reduce_dtype) for stage, reduce_dtypes in QUICK_MATRIX["bf16"].items() for reduce_dtype in reduce_dtypes},
+    lambda run: f"{REDUCE[run[1]]}-{run[0]}"))
 def test_bf16_trains_like_the_hand_built_recipe(precision, stage, reduce_dtype):
     world_size, results = precision
     assert reduce_dtype in results[0]["matrix"]["bf16"][stage]
